@@ -1,0 +1,59 @@
+"""Attention backends: one function signature, chosen by name.
+
+A backend is ``fn(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale) -> out``
+with the shapes of :func:`paged_attention_reference`. Adding a variant is one
+file: write the function and ``register_backend("name", fn)``.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax.numpy as jnp
+
+from paged_jax.attention.metadata import AttentionMetadata
+from paged_jax.attention.reference import paged_attention_reference
+
+_BACKENDS: dict[str, Callable] = {"reference": paged_attention_reference}
+
+
+def register_backend(name: str, fn: Callable) -> None:
+    _BACKENDS[name] = fn
+
+
+def get_backend(name: str) -> Callable:
+    if name not in _BACKENDS:
+        raise ValueError(f"attention_backend must be one of {sorted(_BACKENDS)}, got {name!r}")
+    return _BACKENDS[name]
+
+
+def available_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def write_kv(k_cache, v_cache, k, v, slot_mapping):
+    """Scatter this step's K/V ([T, kv_heads, head_dim]) into their slots."""
+    nb, bs, kvh, d = k_cache.shape
+    k_cache = k_cache.reshape(nb * bs, kvh, d).at[slot_mapping].set(k.astype(k_cache.dtype)).reshape(nb, bs, kvh, d)
+    v_cache = v_cache.reshape(nb * bs, kvh, d).at[slot_mapping].set(v.astype(v_cache.dtype)).reshape(nb, bs, kvh, d)
+    return k_cache, v_cache
+
+
+def paged_attention_layer(q, k, v, kv_cache, meta: AttentionMetadata, scale: float, backend: Callable):
+    """Write this step's K/V into the paged cache, then attend through the block tables.
+
+    q: [T, H, D]; k, v: [T, KVH, D] (token-flat). Returns ([T, H, D], (k_cache, v_cache)).
+    Writes come first, so a sequence sees its own new tokens (and, with prefix
+    sharing, blocks another sequence fills in the same step).
+    """
+    k_cache, v_cache = write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+    S = meta.block_tables.shape[0]
+    T, H, D = q.shape
+    q_pad = jnp.zeros((S, meta.max_query_len, H, D), q.dtype).at[meta.token_seq, meta.token_qidx].set(q, mode="drop")
+    out = backend(q_pad, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_lens, scale)
+    out = out.at[meta.token_seq, meta.token_qidx].get(mode="fill", fill_value=0)
+    return out, (k_cache, v_cache)
+
+
+__all__ = ["AttentionMetadata", "paged_attention_reference", "register_backend", "get_backend",
+           "available_backends", "write_kv", "paged_attention_layer"]

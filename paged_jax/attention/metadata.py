@@ -1,0 +1,28 @@
+"""The arrays that tell attention where each token's K/V live (crossing into jit).
+
+The batch is token-flat: ``T`` tokens (padded to a bucket) from ``S`` sequences
+(padded to a bucket). Each sequence contributes ``query_lens[s]`` consecutive
+new tokens (1 for decode, a whole prompt or a chunk of one for prefill); its
+keys and values are all in the paged cache, addressed by ``block_tables[s]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import jax
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class AttentionMetadata:
+    # Per token [T]
+    slot_mapping: jax.Array  # int32: block * block_size + offset where the token's K/V go (null block for padding)
+    token_seq: jax.Array  # int32: row of the token's sequence in block_tables (S for padding: dropped)
+    token_qidx: jax.Array  # int32: index of the token among its sequence's new tokens
+    # Per sequence [S]
+    block_tables: jax.Array  # int32 [S, max_blocks]: physical blocks, 0 (null block) past the end
+    context_lens: jax.Array  # int32: tokens in the cache for the sequence once this step has written
+    query_lens: jax.Array  # int32: new tokens of the sequence in this step (0 for padded rows)
+    # Static: the widest query of any sequence, padded to a bucket (1 for pure decode).
+    max_query_len: int = field(default=1, metadata=dict(static=True))

@@ -1,0 +1,34 @@
+"""Reference paged attention in plain jnp: the definition every kernel is checked against."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale):
+    """Causal attention of each sequence's new queries over its paged K/V.
+
+    q:            [S, Q, num_heads, head_dim], query ``i`` of sequence ``s`` sits at
+                  position ``context_lens[s] - query_lens[s] + i``; rows ``i >= query_lens[s]``
+                  are padding (their output is unspecified).
+    k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: int32 [S, max_blocks]
+    context_lens, query_lens: int32 [S]
+    Returns [S, Q, num_heads, head_dim] in q's dtype; softmax in float32.
+    """
+    S, Q, H, D = q.shape
+    _, block_size, KVH, _ = k_cache.shape
+    G = H // KVH
+    L = block_tables.shape[1] * block_size
+    k = k_cache[block_tables].reshape(S, L, KVH, D)
+    v = v_cache[block_tables].reshape(S, L, KVH, D)
+    qg = q.reshape(S, Q, KVH, G, D)
+    scores = jnp.einsum("sqkgd,slkd->skgql", qg, k, preferred_element_type=jnp.float32) * scale
+    q_pos = (context_lens - query_lens)[:, None] + jnp.arange(Q)[None, :]  # [S, Q]
+    k_pos = jnp.arange(L)
+    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < context_lens[:, None, None])
+    scores = jnp.where(mask[:, None, None, :, :], scores, -1e30)
+    probs = jax.nn.softmax(scores, axis=-1)
+    out = jnp.einsum("skgql,slkd->sqkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(S, Q, H, D).astype(q.dtype)

@@ -1,0 +1,98 @@
+"""Token-flat batches in numpy, padded to buckets (the executor's side of the border).
+
+Each running sequence contributes a *chunk*: its new tokens this step (a whole
+prompt, a prefill chunk, or one decode token), the position of the first of
+them, and its block table. ``prepare_batch`` turns the chunks into the padded
+int32 arrays the jitted step takes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+NULL_BLOCK = 0  # reserved physical block that padded rows read and padded tokens write
+
+
+@dataclass
+class SeqChunk:
+    token_ids: list[int]  # the tokens to run this step
+    start_pos: int  # position of token_ids[0] (= tokens already in the cache)
+    block_table: list[int]  # covers start_pos + len(token_ids) tokens
+
+
+def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
+    """Smallest power of two >= max(n, minimum), capped at ``maximum`` when given (and >= n)."""
+    b = max(minimum, 1)
+    while b < n:
+        b *= 2
+    if maximum is not None and b > maximum:
+        if n > maximum:
+            raise ValueError(f"size {n} exceeds the largest bucket {maximum}")
+        b = maximum
+    return b
+
+
+@dataclass
+class Batch:
+    input_ids: np.ndarray  # [T]
+    positions: np.ndarray  # [T]
+    slot_mapping: np.ndarray  # [T]
+    token_seq: np.ndarray  # [T]
+    token_qidx: np.ndarray  # [T]
+    block_tables: np.ndarray  # [S, B]
+    context_lens: np.ndarray  # [S]
+    query_lens: np.ndarray  # [S]
+    logits_indices: np.ndarray  # [S]: flat index of each sequence's last token
+    max_query_len: int
+    num_seqs: int  # real (unpadded) sequences
+    num_tokens: int  # real tokens
+
+    @property
+    def shape_key(self) -> tuple:
+        return (self.input_ids.shape[0], self.block_tables.shape[0], self.block_tables.shape[1], self.max_query_len)
+
+
+def prepare_batch(chunks: list[SeqChunk], block_size: int, min_tokens: int = 8, min_seqs: int = 1,
+                  min_blocks: int = 4) -> Batch:
+    """Pad ``chunks`` into bucketed arrays. Token, sequence, block-table width and
+    query-length dimensions are each rounded up to a power of two."""
+    S = len(chunks)
+    T = sum(len(c.token_ids) for c in chunks)
+    max_q = max(len(c.token_ids) for c in chunks)
+    max_b = max(len(c.block_table) for c in chunks)
+    Tp, Sp, Bp = bucket(T, min_tokens), bucket(S, min_seqs), bucket(max_b, min_blocks)
+    Qp = bucket(max_q)
+
+    input_ids = np.zeros(Tp, np.int32)
+    positions = np.zeros(Tp, np.int32)
+    slot_mapping = np.full(Tp, NULL_BLOCK * block_size, np.int32)
+    token_seq = np.full(Tp, Sp, np.int32)  # out of range: padding is dropped
+    token_qidx = np.zeros(Tp, np.int32)
+    block_tables = np.full((Sp, Bp), NULL_BLOCK, np.int32)
+    context_lens = np.zeros(Sp, np.int32)
+    query_lens = np.zeros(Sp, np.int32)
+    logits_indices = np.zeros(Sp, np.int32)
+
+    t = 0
+    for s, c in enumerate(chunks):
+        n = len(c.token_ids)
+        end = c.start_pos + n
+        if len(c.block_table) * block_size < end:
+            raise ValueError(f"block table of sequence row {s} holds {len(c.block_table)} blocks, "
+                             f"too few for {end} tokens at block size {block_size}")
+        pos = np.arange(c.start_pos, end, dtype=np.int32)
+        table = np.asarray(c.block_table, np.int32)
+        input_ids[t:t + n] = c.token_ids
+        positions[t:t + n] = pos
+        slot_mapping[t:t + n] = table[pos // block_size] * block_size + pos % block_size
+        token_seq[t:t + n] = s
+        token_qidx[t:t + n] = np.arange(n)
+        block_tables[s, :len(table)] = table
+        context_lens[s] = end
+        query_lens[s] = n
+        logits_indices[s] = t + n - 1
+        t += n
+    return Batch(input_ids, positions, slot_mapping, token_seq, token_qidx, block_tables, context_lens,
+                 query_lens, logits_indices, Qp, S, T)

@@ -1,0 +1,142 @@
+"""Tiny random models in Hugging Face format, made offline and deterministically.
+
+Writes ``config.json``, ``model.safetensors`` (random weights from a seed) and a
+byte-level BPE tokenizer trained with the ``tokenizers`` library on a small
+bundled corpus. No torch and no hub: the weights' names and shapes come from
+the same per-family tables the loader checks against.
+
+    python -m paged_jax.models.tiny --family llama --out /tmp/tiny-llama
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from paged_jax.models import FAMILIES
+from paged_jax.models.config import model_config_from_hf
+
+CORPUS = Path(__file__).parent / "data" / "corpus.txt"
+DEFAULT_MODEL_NAME = "tiny-llama-v1"
+
+# Small shapes per family; override any field with keyword arguments.
+TINY_CONFIGS = {
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=176,
+                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu"),
+    "opt": dict(architectures=["OPTForCausalLM"], model_type="opt", hidden_size=64, ffn_dim=256,
+                num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=2048,
+                do_layer_norm_before=True, word_embed_proj_dim=64, activation_function="relu",
+                enable_bias=True, tie_word_embeddings=True),
+    "gpt2": dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_embd=64, n_layer=2, n_head=4,
+                 n_positions=1024, n_inner=None, activation_function="gelu_new", layer_norm_epsilon=1e-5,
+                 tie_word_embeddings=True),
+}
+SPECIAL_TOKENS = {
+    "llama": dict(bos="<s>", eos="</s>", unk="<unk>", pad=None, add_bos=True),
+    "opt": dict(bos="</s>", eos="</s>", unk="<unk>", pad="<pad>", add_bos=True),
+    "gpt2": dict(bos="<|endoftext|>", eos="<|endoftext|>", unk=None, pad=None, add_bos=False),
+}
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
+
+
+def train_tokenizer(family: str, vocab_size: int = 512):
+    """A byte-level BPE tokenizer trained on the bundled corpus (deterministic)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    sp = SPECIAL_TOKENS[family]
+    specials = [t for t in dict.fromkeys([sp["unk"], sp["pad"], sp["bos"], sp["eos"]]) if t]
+    tok = Tokenizer(models.BPE(unk_token=sp["unk"]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train([str(CORPUS)], trainer)
+    if sp["add_bos"]:
+        bos_id = tok.token_to_id(sp["bos"])
+        tok.post_processor = processors.TemplateProcessing(single=f"{sp['bos']} $A", special_tokens=[(sp["bos"], bos_id)])
+    return tok
+
+
+def make_tiny_model(out: str | os.PathLike, family: str = "llama", seed: int = 0, vocab_size: int = 512,
+                    dtype: str = "float32", **overrides) -> Path:
+    """Write a tiny random ``family`` model folder to ``out`` and return its path."""
+    if family not in TINY_CONFIGS:
+        raise ValueError(f"family must be one of {sorted(TINY_CONFIGS)}, got {family!r}")
+    from safetensors.numpy import save_file
+    from transformers import PreTrainedTokenizerFast
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = train_tokenizer(family, vocab_size)
+    sp = SPECIAL_TOKENS[family]
+    cfg = dict(TINY_CONFIGS[family], vocab_size=tok.get_vocab_size(), torch_dtype=dtype,
+               bos_token_id=tok.token_to_id(sp["bos"]), eos_token_id=tok.token_to_id(sp["eos"]))
+    if sp["pad"]:
+        cfg["pad_token_id"] = tok.token_to_id(sp["pad"])
+    cfg.update(overrides)
+    (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+
+    config = model_config_from_hf(cfg, dtype="float32")
+    rng = np.random.default_rng(seed)
+    tensors = {}
+    for name, shape in sorted(FAMILIES[config.family].hf_tensor_shapes(config).items()):
+        if "norm" in name or name.split(".")[-2] in ("ln_1", "ln_2", "ln_f"):
+            t = (1.0 + 0.1 * rng.standard_normal(shape)) if name.endswith("weight") else 0.1 * rng.standard_normal(shape)
+        else:
+            t = 0.2 * rng.standard_normal(shape) if name.endswith("bias") else 0.08 * rng.standard_normal(shape)
+        tensors[name] = t.astype(np.float32)
+    if dtype != "float32":
+        import ml_dtypes
+
+        tensors = {k: v.astype(getattr(ml_dtypes, dtype) if dtype == "bfloat16" else np.float16)
+                   for k, v in tensors.items()}
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=sp["bos"], eos_token=sp["eos"],
+                                   unk_token=sp["unk"], pad_token=sp["pad"])
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(str(out))
+    (out / "generation_config.json").write_text(json.dumps(
+        {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}, indent=2) + "\n")
+    return out
+
+
+def default_model_path() -> Path:
+    """The bundled default model, built on first use into the user cache (deterministic)."""
+    root = Path(os.environ.get("PAGED_JAX_HOME", Path.home() / ".cache" / "paged_jax"))
+    path = root / "models" / DEFAULT_MODEL_NAME
+    if not (path / "model.safetensors").is_file():
+        root.joinpath("models").mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=root / "models", prefix=".building-"))
+        make_tiny_model(tmp, family="llama", seed=0)
+        if path.exists():
+            shutil.rmtree(path)
+        tmp.rename(path)
+    return path
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description="Create a tiny random model folder (HF format) offline.")
+    ap.add_argument("--family", choices=sorted(TINY_CONFIGS), default="llama")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--vocab-size", type=int, default=512)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    ap.add_argument("--set", nargs="*", default=[], metavar="KEY=JSON",
+                    help="override config fields, e.g. num_hidden_layers=4 hidden_size=128")
+    a = ap.parse_args(argv)
+    overrides = {k: json.loads(v) for k, v in (s.split("=", 1) for s in a.set)}
+    path = make_tiny_model(a.out, a.family, a.seed, a.vocab_size, a.dtype, **overrides)
+    print(f"wrote {a.family} model to {path}")
+
+
+if __name__ == "__main__":
+    main()
