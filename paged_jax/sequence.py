@@ -49,8 +49,11 @@ class Sequence:
     output_logprobs: list[Any] = field(default_factory=list)
     output_text: str = ""
     num_computed_tokens: int = 0
-    # Detokenizer state (read offset into output_token_ids, text emitted so far).
+    sample_index: int = 0  # which of the request's samples this is (seeds sample i independently)
     stop_reason: Optional[Any] = None
+    # Incremental detokenizer offsets into get_token_ids() (set by the engine).
+    prefix_offset: int = 0
+    read_offset: int = 0
 
     # ---- lengths and tokens -------------------------------------------------
     def get_len(self) -> int:
@@ -86,7 +89,7 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status.is_finished
 
-    def fork(self, new_seq_id: int) -> "Sequence":
+    def fork(self, new_seq_id: int, sample_index: int = 0) -> "Sequence":
         return Sequence(
             seq_id=new_seq_id,
             prompt_token_ids=self.prompt_token_ids,  # never mutated: safe to share
@@ -96,6 +99,9 @@ class Sequence:
             output_logprobs=list(self.output_logprobs),
             output_text=self.output_text,
             num_computed_tokens=self.num_computed_tokens,
+            sample_index=sample_index,
+            prefix_offset=self.prefix_offset,
+            read_offset=self.read_offset,
         )
 
 

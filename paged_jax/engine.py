@@ -1,0 +1,282 @@
+"""LLMEngine: requests in, RequestOutputs out, one scheduler iteration per ``step()``.
+
+``add_request`` tokenizes a prompt and queues a sequence group; ``step`` asks
+the scheduler what runs, has the executor run it, then appends the sampled
+tokens, detokenizes incrementally, applies the stop rules and frees finished
+sequences' blocks.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Optional, Union
+
+from paged_jax.executor.batch import NULL_BLOCK  # noqa: F401  (documented: padded rows use block 0)
+from paged_jax.memory.block_manager import BlockManager
+from paged_jax.outputs import CompletionOutput, RequestOutput
+from paged_jax.sampling_params import SamplingParams
+from paged_jax.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
+
+logger = logging.getLogger("paged_jax")
+
+
+@dataclass
+class EngineArgs:
+    """The engine's options, with vLLM's names and defaults (see ``LLM``)."""
+
+    model: Optional[str] = None
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: Optional[int] = None
+    swap_space: float = 4  # GiB of host memory for swapped-out blocks
+    gpu_memory_utilization: float = 0.9  # fraction of accelerator memory (not used on the CPU)
+    cpu_kv_cache_space: float = 4  # GiB cap for the KV cache on the CPU
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+    max_model_len: Optional[int] = None
+    preemption_mode: Optional[str] = None
+    enable_chunked_prefill: bool = False
+    enable_prefix_caching: bool = False
+    attention_backend: str = "reference"
+    seed: int = 0
+    watermark: float = 0.01
+
+    def __post_init__(self):
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or not 1 <= self.block_size <= 256:
+            raise ValueError(f"block_size must be an integer in [1, 256], got {self.block_size!r}")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
+            raise ValueError(f"num_kv_blocks must be an integer >= 2 (one block is the reserved null block), "
+                             f"got {self.num_kv_blocks!r}")
+        if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
+            raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        from transformers import AutoTokenizer
+
+        from paged_jax.executor.model_runner import (ModelRunner, available_kv_memory, enable_compilation_cache,
+                                                     num_blocks_for_memory)
+        from paged_jax.models.loader import load_model
+        from paged_jax.models.tiny import default_model_path
+
+        self.args = args
+        model_path = str(args.model or default_model_path())
+        enable_compilation_cache()
+        self.model_config, params = load_model(model_path, args.dtype)
+        mc = self.model_config
+        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_path)
+        eos = {self.tokenizer.eos_token_id} | set(mc.eos_token_id or ())
+        self.eos_token_ids = frozenset(e for e in eos if e is not None)
+        self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else (
+            min(self.eos_token_ids) if self.eos_token_ids else None)
+
+        max_model_len = args.max_model_len or mc.max_position_embeddings
+        if max_model_len > mc.max_position_embeddings:
+            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                             f"{mc.max_position_embeddings}")
+        budget = args.max_num_batched_tokens or (512 if args.enable_chunked_prefill else max(max_model_len, 2048))
+        self.scheduler_config = SchedulerConfig(args.max_num_seqs, budget, max_model_len, args.preemption_mode,
+                                                args.enable_chunked_prefill)
+        bs = args.block_size
+        # No pool needs more than every sequence at full length could use (plus the null block).
+        cap = args.max_num_seqs * -(-max_model_len // bs) + 1
+        if args.num_kv_blocks is not None:
+            num_gpu_blocks = args.num_kv_blocks
+        else:
+            num_gpu_blocks = min(cap, num_blocks_for_memory(
+                mc, bs, available_kv_memory(args.gpu_memory_utilization, args.cpu_kv_cache_space)))
+            if num_gpu_blocks < 2:
+                raise ValueError("not enough memory for a KV cache: give num_kv_blocks or more memory")
+        num_cpu_blocks = min(cap, int(args.swap_space * (1 << 30)) // (mc.kv_bytes_per_token * bs))
+        self.block_manager = BlockManager(bs, num_gpu_blocks, num_cpu_blocks, watermark=args.watermark,
+                                          enable_prefix_caching=args.enable_prefix_caching)
+        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
+        self.runner = ModelRunner(mc, params, bs, num_gpu_blocks, num_cpu_blocks, args.attention_backend, args.seed)
+        logger.info("paged-jax engine: model=%s family=%s dtype=%s blocks=%d x %d tokens (host %d), max_model_len=%d",
+                    model_path, mc.family, mc.dtype, num_gpu_blocks, bs, num_cpu_blocks, max_model_len)
+        self._seq_counter = itertools.count()
+        self._groups: dict[str, SequenceGroup] = {}
+        self._prompt_logprobs: dict[str, list] = {}
+        self.num_generated_tokens = 0
+        self.num_steps = 0
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
+        return cls(args)
+
+    # ---- requests ------------------------------------------------------------
+    def add_request(self, request_id: str, prompt: Optional[str], sampling_params: SamplingParams,
+                    prompt_token_ids: Optional[list[int]] = None, arrival_time: Optional[float] = None) -> None:
+        if not isinstance(sampling_params, SamplingParams):
+            raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
+        if sampling_params.use_beam_search:
+            raise ValueError("use_beam_search=True is not supported by this engine yet; use best_of/n sampling")
+        if request_id in self._groups:
+            raise ValueError(f"request_id {request_id!r} is already in use")
+        if prompt_token_ids is None:
+            if not isinstance(prompt, str):
+                raise ValueError(f"prompt must be a string when prompt_token_ids is not given, got {prompt!r}")
+            prompt_token_ids = self.tokenizer.encode(prompt)
+        prompt_token_ids = [int(t) for t in prompt_token_ids]
+        if not prompt_token_ids:
+            raise ValueError("prompt must not be empty (it tokenized to zero tokens)")
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.model_config.vocab_size]
+        if bad:
+            raise ValueError(f"prompt_token_ids hold ids outside [0, {self.model_config.vocab_size}): {bad[:5]}")
+        seq = Sequence(next(self._seq_counter), prompt_token_ids)
+        seq.prefix_offset = max(len(prompt_token_ids) - 5, 0)
+        seq.read_offset = len(prompt_token_ids)
+        group = SequenceGroup(request_id, [seq], sampling_params, arrival_time or time.monotonic(), prompt)
+        self._groups[request_id] = group
+        if sampling_params.prompt_logprobs is not None:
+            self._prompt_logprobs[request_id] = [None]
+        self.scheduler.add_seq_group(group)
+
+    def abort_request(self, request_id: Union[str, list[str]]) -> None:
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            if self.scheduler.abort_seq_group(rid) is not None:
+                self._groups.pop(rid, None)
+                self._prompt_logprobs.pop(rid, None)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_seqs()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_seq_groups()
+
+    # ---- the loop ------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """One iteration. Returns the outputs of the requests it touched (finished ones last time)."""
+        out = self.scheduler.schedule()
+        self.num_steps += 1
+        result = self.runner.execute(out, self.eos_token_id)
+        touched: dict[str, SequenceGroup] = {g.request_id: g for g in out.ignored}
+        for i, row in enumerate(out.scheduled):
+            seq, group = row.seq, row.group
+            touched[group.request_id] = group
+            if i in result.prompt_logprobs:
+                acc = self._prompt_logprobs[group.request_id]
+                new = result.prompt_logprobs[i]
+                # After a recompute preemption the prompt reruns: keep the first scores only.
+                acc.extend(new[max(0, len(acc) - 1 - row.start_pos):])
+            seq.num_computed_tokens += row.num_tokens
+            samples = result.samples.get(i)
+            if not samples:
+                continue
+            # The first sample continues ``seq``; extra ones (best_of > 1) fork from the prompt.
+            for j, smp in enumerate(samples[1:], start=1):
+                child = seq.fork(next(self._seq_counter), sample_index=j)
+                self.block_manager.fork(seq, child)
+                group.add(child)
+                self._append(child, smp, group)
+            self._append(seq, samples[0], group)
+        for row in out.scheduled:
+            if self.block_manager.has_seq(row.seq):
+                self.block_manager.mark_blocks_computed(row.seq)
+        for group in touched.values():
+            for seq in group.get_seqs():
+                if seq.is_finished() and self.block_manager.has_seq(seq):
+                    self.scheduler.free_seq(seq)
+        self.scheduler.free_finished_seq_groups()
+        outputs = [self._request_output(g) for g in touched.values()]
+        for o in outputs:
+            if o.finished:
+                self._groups.pop(o.request_id, None)
+                self._prompt_logprobs.pop(o.request_id, None)
+        return outputs
+
+    def _append(self, seq: Sequence, smp, group: SequenceGroup) -> None:
+        seq.append_token_id(smp.token_id, smp.logprob, smp.logprobs)
+        self.num_generated_tokens += 1
+        new_text = self._detokenize(seq, group.sampling_params)
+        self._check_stop(seq, group.sampling_params, new_text)
+
+    def _detokenize(self, seq: Sequence, params: SamplingParams) -> str:
+        """Incremental detokenization: emit text only once it is stable (no partial UTF-8)."""
+        ids = seq.get_token_ids()
+        skip = params.skip_special_tokens
+        prefix = self.tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
+        full = self.tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            new = full[len(prefix):]
+            seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
+            seq.output_text += new
+            return new
+        return ""
+
+    def _check_stop(self, seq: Sequence, p: SamplingParams, new_text: str) -> None:
+        out_len = seq.get_output_len()
+        if out_len >= p.min_tokens:
+            if p.stop and new_text:
+                window = len(new_text) + max(len(s) for s in p.stop) - 1
+                start = max(0, len(seq.output_text) - window)
+                for stop in p.stop:
+                    idx = seq.output_text.find(stop, start)
+                    if idx != -1:
+                        cut = idx + len(stop) if p.include_stop_str_in_output else idx
+                        seq.output_text = seq.output_text[:cut]
+                        seq.stop_reason = stop
+                        seq.status = SequenceStatus.FINISHED_STOPPED
+                        return
+            last = seq.get_last_token_id()
+            if not p.ignore_eos and last in self.eos_token_ids:
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                return
+            if last in p.stop_token_ids:
+                seq.stop_reason = last
+                seq.status = SequenceStatus.FINISHED_STOPPED
+                return
+        if (p.max_tokens is not None and out_len >= p.max_tokens) or seq.get_len() >= self.scheduler_config.max_model_len:
+            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+
+    def _request_output(self, group: SequenceGroup) -> RequestOutput:
+        p = group.sampling_params
+        seqs = group.get_seqs()
+        finished = group.is_finished()
+        if len(seqs) > 1 and finished:
+            # best_of > n: the n samples with the highest cumulative logprob.
+            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: p.n]
+        elif len(seqs) > 1:
+            seqs = seqs[: p.n]
+        outs = []
+        for s in seqs:
+            reason = s.status.finish_reason
+            outs.append(CompletionOutput(s.sample_index, s.output_text, list(s.output_token_ids), s.cumulative_logprob,
+                                         list(s.output_logprobs) if p.logprobs is not None else None,
+                                         reason, s.stop_reason))
+        for i, o in enumerate(outs):
+            o.index = i
+        return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids),
+                             self._prompt_logprobs.get(group.request_id), outs, finished, group.finish_message)
+
+    # ---- statistics ----------------------------------------------------------
+    def get_stats(self) -> dict:
+        usage = self.block_manager.get_usage()
+        bm = self.block_manager
+        return {
+            "num_total_blocks": usage.num_total_gpu_blocks,
+            "num_free_blocks": bm.get_num_free_gpu_blocks(),
+            "num_total_cpu_blocks": bm.cpu_allocator.num_total_blocks,
+            "num_free_cpu_blocks": bm.get_num_free_cpu_blocks(),
+            "num_running": len(self.scheduler.running),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_swapped": len(self.scheduler.swapped),
+            "num_preemptions": dict(self.scheduler.num_preemptions),
+            "kv_cache_usage": usage.num_used_gpu_blocks / max(1, usage.num_total_gpu_blocks),
+            "kv_utilization": usage.utilization,
+            "num_compilations": self.runner.num_compilations,
+            "num_generated_tokens": self.num_generated_tokens,
+            "num_steps": self.num_steps,
+            "timings": dict(self.runner.timings),
+        }

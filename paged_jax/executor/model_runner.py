@@ -1,0 +1,195 @@
+"""The real executor: scheduler output -> padded arrays -> jitted step -> sampled tokens.
+
+The KV cache (a list over layers of (k, v) arrays, ``[num_blocks, block_size,
+num_kv_heads, head_dim]``) is donated through every jitted call, so it is
+updated in place. Batch shapes come from a small set of power-of-two buckets;
+``num_compilations`` counts the distinct shapes compiled so far.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax.attention import AttentionMetadata, get_backend
+from paged_jax.executor.batch import Batch, SeqChunk, bucket, prepare_batch
+from paged_jax.memory import cache_ops
+from paged_jax.models import compute_logits, forward
+from paged_jax.models.config import DTYPE_BYTES, ModelConfig
+from paged_jax.outputs import make_logprobs_dict
+from paged_jax.sampler import SamplingTensors, sample, seed_for_sample, token_logprobs
+from paged_jax.scheduler import SchedulerOutput
+
+logger = logging.getLogger("paged_jax")
+
+BATCH_FIELDS = ("input_ids", "positions", "slot_mapping", "token_seq", "token_qidx", "block_tables",
+                "context_lens", "query_lens", "logits_indices")
+
+
+@dataclass
+class Sample:
+    token_id: int
+    logprob: float
+    logprobs: Optional[dict[int, float]]  # the top-N entry, when the request asked for logprobs
+
+
+@dataclass
+class StepResult:
+    """Per scheduled row index: its samples (rows that completed), its prompt logprobs."""
+
+    samples: dict[int, list[Sample]] = field(default_factory=dict)
+    prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
+
+
+def enable_compilation_cache(path: Optional[str] = None) -> None:
+    """JAX's persistent compilation cache: a second start of the same model skips compiling."""
+    if os.environ.get("PAGED_JAX_NO_COMPILE_CACHE"):
+        return
+    path = path or os.environ.get("PAGED_JAX_COMPILE_CACHE",
+                                  os.path.join(os.path.expanduser("~"), ".cache", "paged_jax", "jax_cache"))
+    try:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+    except Exception as e:  # an old or new JAX without these options: run without the cache
+        logger.info("persistent compilation cache unavailable: %s", e)
+
+
+def available_kv_memory(fraction: float, cpu_kv_cache_space: float) -> int:
+    """Bytes the KV cache may take: ``fraction`` of free device memory on an accelerator;
+    on the CPU at most ``cpu_kv_cache_space`` GiB and half of the available RAM."""
+    dev = jax.devices()[0]
+    if dev.platform != "cpu":
+        stats = dev.memory_stats() or {}
+        limit, used = stats.get("bytes_limit", 0), stats.get("bytes_in_use", 0)
+        return int(max(0, limit * fraction - used))
+    try:
+        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        avail = 8 << 30
+    return int(min(cpu_kv_cache_space * (1 << 30), 0.5 * avail))
+
+
+def num_blocks_for_memory(config: ModelConfig, block_size: int, nbytes: int) -> int:
+    return nbytes // (config.kv_bytes_per_token * block_size)
+
+
+class ModelRunner:
+    def __init__(self, config: ModelConfig, params, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+                 attention_backend: str = "reference", seed: int = 0):
+        self.config, self.params, self.block_size = config, params, block_size
+        self.attn = get_backend(attention_backend)
+        self.seed = seed
+        shape = dict(num_layers=config.num_layers, block_size=block_size, num_kv_heads=config.num_kv_heads,
+                     head_dim=config.head_dim, dtype=jnp.dtype(config.dtype))
+        self.kv_caches = cache_ops.allocate_kv_caches(num_blocks=num_gpu_blocks, **shape)
+        self.host_pool = cache_ops.allocate_host_pool(num_blocks=num_cpu_blocks, **shape)
+        self._compiled: set = set()
+        self._step = jax.jit(self._step_fn, static_argnums=(3, 4), donate_argnums=(1,))
+        self._sample_step = 0
+        self.timings = {"prepare": 0.0, "cache_ops": 0.0, "device": 0.0, "sample": 0.0}
+
+    # ---- the jitted step -----------------------------------------------------
+    def _step_fn(self, params, kv_caches, b, max_query_len: int, all_logits: bool):
+        meta = AttentionMetadata(b["slot_mapping"], b["token_seq"], b["token_qidx"], b["block_tables"],
+                                 b["context_lens"], b["query_lens"], max_query_len=max_query_len)
+        hidden, kv_caches = forward(params, self.config, b["input_ids"], b["positions"], kv_caches, meta, self.attn)
+        rows = hidden if all_logits else hidden[b["logits_indices"]]
+        return compute_logits(params, self.config, rows), kv_caches
+
+    @property
+    def num_compilations(self) -> int:
+        """Distinct step shapes compiled plus sampler variants compiled."""
+        return len(self._compiled) + sample._cache_size()
+
+    def run_batch(self, batch: Batch, all_logits: bool = False) -> jax.Array:
+        """The forward pass; returns the logits (on the device) of each row's last token, or of every token."""
+        self._compiled.add((batch.shape_key, all_logits))
+        arrays = {k: getattr(batch, k) for k in BATCH_FIELDS}
+        logits, self.kv_caches = self._step(self.params, self.kv_caches, arrays, batch.max_query_len, all_logits)
+        return logits
+
+    # ---- one engine step -----------------------------------------------------
+    def execute(self, out: SchedulerOutput, eos_token_id: Optional[int] = None) -> StepResult:
+        """Run ``out``'s cache operations and forward pass, and sample.
+
+        Every scheduled row whose chunk completes its sequence gets samples: one,
+        or ``best_of`` for a request's first token (the engine forks the extra
+        samples from the prompt). Rows of requests that ask for prompt logprobs
+        also get those for the prompt tokens they ran.
+        """
+        t0 = time.perf_counter()
+        if out.blocks_to_swap_out:
+            cache_ops.swap_out(self.kv_caches, self.host_pool, out.blocks_to_swap_out)
+        if out.blocks_to_swap_in:
+            self.kv_caches = cache_ops.swap_in(self.kv_caches, self.host_pool, out.blocks_to_swap_in)
+        if out.blocks_to_copy:
+            src, dst = zip(*out.blocks_to_copy)
+            self.kv_caches = cache_ops.copy_blocks(self.kv_caches, list(src), list(dst))
+        t1 = time.perf_counter()
+        self.timings["cache_ops"] += t1 - t0
+        result = StepResult()
+        if not out.scheduled:
+            return result
+        chunks = [SeqChunk(r.seq.get_token_ids()[r.start_pos:r.start_pos + r.num_tokens], r.start_pos, r.block_table)
+                  for r in out.scheduled]
+        batch = prepare_batch(chunks, self.block_size)
+        want_prompt = [i for i, r in enumerate(out.scheduled)
+                       if r.group.sampling_params.prompt_logprobs is not None and r.start_pos < r.seq.get_prompt_len()]
+        t2 = time.perf_counter()
+        self.timings["prepare"] += t2 - t1
+        logits = self.run_batch(batch, all_logits=bool(want_prompt))
+        t3 = time.perf_counter()
+        self.timings["device"] += t3 - t2
+        row_of_logits = batch.logits_indices if want_prompt else np.arange(len(batch.logits_indices))
+
+        # Sampling rows: (scheduled row, sample index).
+        picks, rows = [], []
+        for i, r in enumerate(out.scheduled):
+            if not r.completes:
+                continue
+            params = r.group.sampling_params
+            k = params.best_of if (r.seq.get_output_len() == 0 and r.group.num_seqs() == 1) else 1
+            for j in range(k):
+                sample_index = j if k > 1 else r.seq.sample_index
+                seed = None if params.seed is None else seed_for_sample(params.seed, sample_index)
+                picks.append((i, j))
+                rows.append((params, seed, r.seq.prompt_token_ids, r.seq.output_token_ids))
+        if rows:
+            n = bucket(len(rows))
+            idx = np.zeros(n, np.int32)
+            idx[: len(rows)] = [row_of_logits[i] for i, _ in picks]
+            tensors = SamplingTensors.from_params(rows, self.config.vocab_size, pad_to=n, eos_token_id=eos_token_id,
+                                                  engine_seed=self.seed, step=self._sample_step)
+            self._sample_step += 1
+            ids, lps, top_ids, top_lps = jax.device_get(sample(logits[idx], tensors))
+            for r, (i, j) in enumerate(picks):
+                want = out.scheduled[i].group.sampling_params.logprobs
+                entry = None if want is None else make_logprobs_dict(ids[r], lps[r], top_ids[r], top_lps[r], want)
+                result.samples.setdefault(i, []).append(Sample(int(ids[r]), float(lps[r]), entry))
+        for i in want_prompt:
+            result.prompt_logprobs[i] = self._prompt_logprobs(out.scheduled[i], logits, batch, i)
+        self.timings["sample"] += time.perf_counter() - t3
+        return result
+
+    def _prompt_logprobs(self, row, logits, batch: Batch, i: int) -> list[dict[int, float]]:
+        """Logprob entries of the prompt tokens that follow the tokens this row ran."""
+        start = int(batch.logits_indices[i]) - row.num_tokens + 1
+        tokens = row.seq.get_token_ids()
+        # Token at position p predicts the token at p + 1; only prompt tokens are scored.
+        last = min(row.start_pos + row.num_tokens, row.seq.get_prompt_len() - 1)
+        n = last - row.start_pos
+        if n <= 0:
+            return []
+        want = row.group.sampling_params.prompt_logprobs
+        targets = np.asarray(tokens[row.start_pos + 1: row.start_pos + 1 + n], np.int32)
+        lp, top_ids, top_lps = jax.device_get(
+            token_logprobs(logits[start:start + n], targets, num_top=bucket(want) if want else 0))
+        return [make_logprobs_dict(targets[t], lp[t], top_ids[t], top_lps[t], want) for t in range(n)]

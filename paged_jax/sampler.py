@@ -1,0 +1,448 @@
+"""The sampler: one jitted, vectorised step from logits to next tokens.
+
+Per step the engine does::
+
+    rows = [(seq_group.sampling_params,
+             seed_for_sample(params.seed, sample_index) if params.seed is not None else None,
+             seq.prompt_token_ids, seq.output_token_ids) for each running sequence]
+    tensors = SamplingTensors.from_params(rows, vocab_size, pad_to=S,
+                                          eos_token_id=eos, engine_seed=seed, step=step)
+    out = sample(logits, tensors)          # logits: float[S, V], S = the batch bucket
+    ids, lps, top_ids, top_lps = jax.device_get(out)   # only the first len(rows) rows matter
+
+Semantics follow vLLM 0.2/0.3, in this order, every row independently:
+
+1. ``min_tokens``: EOS and ``stop_token_ids`` get logit -inf while the output is
+   shorter than ``min_tokens`` (``from_params`` lists them in ``banned_token_ids``).
+2. Penalties: repetition (HF/CTRL: divide positive logits, multiply negative ones,
+   for tokens seen in the prompt or the output), then frequency
+   (``-= f * count in output``) and presence (``-= p * [token in output]``).
+   The counts are built inside jit by a scatter-add over the vocabulary.
+3. Temperature (greedy rows use 1.0, so their logprobs are the plain log_softmax
+   of the penalised logits).
+4. top-k: keep logits >= the k-th largest (ties at the threshold are all kept).
+5. top-p, on the renormalised top-k distribution: drop a token when the mass of
+   all tokens with probability <= its own is <= 1 - top_p (vLLM 0.3's ascending
+   cumsum rule; the most likely token always stays; ties are kept or dropped
+   together, where a sort would split them by index).
+6. min-p: drop tokens with probability < min_p * max probability.
+7. ``logprobs = log_softmax(processed logits)`` (masked tokens: -inf). Greedy
+   rows take the argmax, random rows draw from ``exp(logprobs)``.
+
+Output: :class:`SamplerOutput` with the token ids [S] int32, their logprobs [S],
+and the ``num_top`` best ids / logprobs [S, num_top], sorted best first.
+
+**No sort.** Sorting [256, 50k] floats takes ~2 s on this CPU. top-k and top-p
+find their thresholds by bisection on the float bit patterns (32 and 30
+counting passes: exact, ~0.1 s each at that size), and a draw is an inverse-CDF
+lookup with one uniform per row through 256-token blocks (one reduction pass,
+then a cumsum over the blocks and over one block).
+
+**Randomness.** Each row draws one uniform from its own key, never from a key
+carried across steps:
+
+* seeded row: ``fold_in(PRNGKey(seed), number of tokens this sequence has
+  generated)``; ``PRNGKey(seed)`` here means threefry key data
+  ``[seed >> 32, seed & 0xffffffff]`` of ``seed mod 2**64`` (equal to
+  ``jax.random.PRNGKey(seed)`` for 0 <= seed < 2**32). The token therefore does
+  not depend on the batch, the row position, preemption or recomputation. Give
+  each sample of an ``n > 1`` request its own seed with :func:`seed_for_sample`.
+* unseeded row ``i``: ``fold_in(PRNGKey(splitmix64(splitmix64(engine_seed) ^ step)), i)``;
+  the caller passes a ``step`` counter that it increments every call.
+
+**Compiled variants.** ``sample`` is one ``jax.jit`` function; the static part
+of its input is the tree structure of :class:`SamplingTensors`, whose meta fields
+(``all_greedy``, ``do_penalties``, ``do_top_k``, ``do_top_p``, ``do_min_p``,
+``num_top``) select the code path, so every combination is its own executable and
+the all-greedy, no-penalty case is a bare argmax + log-softmax gather. A compile is
+keyed by: S, V, those flags, and the widths of the id arrays (prompt/output ids
+for penalties, banned ids), which ``from_params`` rounds up to powers of two
+(0 when unused). ``num_top`` is also rounded up to a power of two.
+Greedy implies no top-k/top-p/min-p, so at most 2 greedy + 16 random flag
+combinations exist; a typical workload sees 2 or 3. ``sample._cache_size()``
+gives the number compiled so far.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, NamedTuple, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+_SAMPLING_EPS = 1e-5
+_M64 = (1 << 64) - 1
+_M32 = (1 << 32) - 1
+PAD_ID = -1  # padding in the token-id arrays; ignored (any id outside [0, V) is)
+_CDF_BLOCK = 256
+
+
+# ---- seeds -------------------------------------------------------------------
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _M64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def seed_for_sample(seed: int, sample_index: int) -> int:
+    """The seed of sample ``sample_index`` (0 .. best_of-1) of a request seeded with
+    ``seed``: the seed itself for sample 0 (so ``n == 1`` uses the request seed
+    as is), a 64-bit mix of both for the others (so samples differ)."""
+    if sample_index == 0:
+        return seed
+    return _splitmix64((seed & _M64) ^ _splitmix64(sample_index))
+
+
+def _key_words(seed: int) -> tuple[int, int]:
+    s = seed & _M64
+    return (s >> 32) & _M32, s & _M32
+
+
+def _pow2_bucket(n: int, minimum: int) -> int:
+    if n <= 0:
+        return 0
+    b = minimum
+    while b < n:
+        b *= 2
+    return b
+
+
+# ---- per-row parameters -------------------------------------------------------
+@dataclass(frozen=True, eq=False)
+class SamplingTensors:
+    """Per-row sampling parameters as arrays (a pytree; build with :meth:`from_params`).
+
+    Data fields, S = padded batch, all numpy:
+        temperature f32[S] (1.0 for greedy rows), top_k i32[S] (V = off),
+        top_p f32[S], min_p f32[S], presence_penalty / frequency_penalty /
+        repetition_penalty f32[S], greedy bool[S] (greedy and beam-search rows:
+        argmax), key_data u32[S, 2] (threefry key words), key_offset u32[S]
+        (folded into the key), prompt_token_ids i32[S, Lp] and output_token_ids
+        i32[S, Lo] (for penalties, PAD_ID-padded), banned_token_ids i32[S, B]
+        (logit set to -inf; min_tokens).
+    Meta fields (static, part of the tree structure, so part of the jit key):
+        all_greedy, do_penalties, do_top_k, do_top_p, do_min_p, num_top.
+    Padded rows are greedy with no penalties or truncation; their outputs are
+    garbage to ignore, and never affect real rows (every op is row-wise).
+    """
+
+    temperature: Any
+    top_k: Any
+    top_p: Any
+    min_p: Any
+    presence_penalty: Any
+    frequency_penalty: Any
+    repetition_penalty: Any
+    greedy: Any
+    key_data: Any
+    key_offset: Any
+    prompt_token_ids: Any
+    output_token_ids: Any
+    banned_token_ids: Any
+    all_greedy: bool = True
+    do_penalties: bool = False
+    do_top_k: bool = False
+    do_top_p: bool = False
+    do_min_p: bool = False
+    num_top: int = 0
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.temperature.shape[0])
+
+    @classmethod
+    def from_params(
+        cls,
+        rows: Sequence[tuple[Any, Optional[int], Sequence[int], Sequence[int]]],
+        vocab_size: int,
+        pad_to: Optional[int] = None,
+        *,
+        eos_token_id: Optional[int] = None,
+        engine_seed: int = 0,
+        step: int = 0,
+        num_top: Optional[int] = None,
+        ids_bucket_min: int = 16,
+    ) -> "SamplingTensors":
+        """Build the arrays for one step.
+
+        rows: one ``(SamplingParams, seed or None, prompt_token_ids,
+            output_token_ids)`` per sequence, in batch order. The seed is the
+            row's own (see :func:`seed_for_sample`); it must be given when
+            ``params.seed`` is set. output_token_ids are the tokens this sequence
+            has generated so far (their count is the seeded key's offset).
+        vocab_size: V, the last dimension of the logits.
+        pad_to: S, the padded batch (>= len(rows)); defaults to len(rows).
+        eos_token_id: banned, with ``stop_token_ids``, while ``min_tokens`` is
+            not reached (unless ``ignore_eos``).
+        engine_seed, step: the key of unseeded rows (see the module docstring).
+        num_top: the top-N width; by default the largest ``logprobs`` asked for
+            (``2 * best_of`` for beam search, as vLLM's beam step needs),
+            rounded up to a power of two, at most V.
+        """
+        n = len(rows)
+        S = n if pad_to is None else int(pad_to)
+        V = int(vocab_size)
+        if S < n:
+            raise ValueError(f"pad_to must be >= the number of rows ({n}), got {pad_to}")
+        temperature = np.ones(S, np.float32)
+        top_k = np.full(S, V, np.int32)
+        top_p = np.ones(S, np.float32)
+        min_p = np.zeros(S, np.float32)
+        presence = np.zeros(S, np.float32)
+        frequency = np.zeros(S, np.float32)
+        repetition = np.ones(S, np.float32)
+        greedy = np.ones(S, bool)
+        key_data = np.zeros((S, 2), np.uint32)
+        key_offset = np.zeros(S, np.uint32)
+        unseeded_words = _key_words(_splitmix64(_splitmix64(engine_seed & _M64) ^ (step & _M64)))
+
+        prompt_lists, output_lists, ban_lists = [], [], []
+        want_top = 0
+        for i, (params, seed, prompt_ids, output_ids) in enumerate(rows):
+            is_greedy = params.use_beam_search or params.temperature < _SAMPLING_EPS
+            greedy[i] = is_greedy
+            if params.use_beam_search:
+                want_top = max(want_top, 2 * params.best_of)
+            want_top = max(want_top, params.logprobs or 0)
+            presence[i] = params.presence_penalty
+            frequency[i] = params.frequency_penalty
+            repetition[i] = params.repetition_penalty
+            uses_rep = params.repetition_penalty != 1.0
+            uses_out = uses_rep or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+            prompt_lists.append(prompt_ids if uses_rep else ())
+            output_lists.append(output_ids if uses_out else ())
+            if len(output_ids) < params.min_tokens:
+                ban = list(params.stop_token_ids)
+                if eos_token_id is not None and not params.ignore_eos:
+                    ban.append(int(eos_token_id))
+                ban_lists.append(ban)
+            else:
+                ban_lists.append(())
+            if is_greedy:
+                continue
+            temperature[i] = params.temperature
+            if 0 < params.top_k < V:
+                top_k[i] = params.top_k
+            top_p[i] = params.top_p
+            min_p[i] = params.min_p
+            if seed is None and params.seed is not None:
+                raise ValueError(
+                    f"row {i}: params.seed={params.seed} is set but the row seed is None; "
+                    "pass seed_for_sample(params.seed, sample_index)"
+                )
+            if seed is not None:
+                key_data[i] = _key_words(int(seed))
+                key_offset[i] = len(output_ids) & _M32
+            else:
+                key_data[i] = unseeded_words
+                key_offset[i] = i
+
+        def pack(lists):
+            width = _pow2_bucket(max((len(x) for x in lists), default=0), ids_bucket_min)
+            out = np.full((S, width), PAD_ID, np.int32)
+            for i, ids in enumerate(lists):
+                if len(ids):
+                    out[i, : len(ids)] = np.asarray(ids, np.int32)
+            return out
+
+        real = slice(0, n)
+        if num_top is None:
+            num_top = _pow2_bucket(want_top, 1)
+        return cls(
+            temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
+            greedy=greedy, key_data=key_data, key_offset=key_offset,
+            prompt_token_ids=pack(prompt_lists), output_token_ids=pack(output_lists),
+            banned_token_ids=pack(ban_lists),
+            all_greedy=bool(greedy.all()),
+            do_penalties=bool((presence[real] != 0).any() or (frequency[real] != 0).any()
+                              or (repetition[real] != 1).any()),
+            do_top_k=bool((top_k[real] < V).any()),
+            do_top_p=bool((top_p[real] < 1).any()),
+            do_min_p=bool((min_p[real] > 0).any()),
+            num_top=int(min(num_top, V)),
+        )
+
+
+_DATA_FIELDS = [f.name for f in dataclasses.fields(SamplingTensors)
+                if f.name not in ("all_greedy", "do_penalties", "do_top_k", "do_top_p", "do_min_p", "num_top")]
+jax.tree_util.register_dataclass(
+    SamplingTensors,
+    data_fields=_DATA_FIELDS,
+    meta_fields=["all_greedy", "do_penalties", "do_top_k", "do_top_p", "do_min_p", "num_top"],
+)
+
+
+class SamplerOutput(NamedTuple):
+    token_ids: jax.Array      # int32[S]
+    logprobs: jax.Array       # float32[S], logprob of token_ids under the processed distribution
+    top_token_ids: jax.Array  # int32[S, num_top], best first
+    top_logprobs: jax.Array   # float32[S, num_top]
+
+
+# ---- the jitted pieces ----------------------------------------------------------
+def _scatter_ids(shape, ids, value, V, dtype):
+    """A [S, V] array with ``value`` scattered (added) at each valid id of each row."""
+    S = shape[0]
+    ids = jnp.where((ids < 0) | (ids >= V), V, ids)  # invalid ids -> the extra column
+    rows = jnp.arange(S)[:, None]
+    out = jnp.zeros((S, V + 1), dtype).at[rows, ids].add(value)
+    return out[:, :V]
+
+
+def _ban(logits, banned):
+    if banned.shape[1] == 0:
+        return logits
+    S, V = logits.shape
+    hit = _scatter_ids((S, V), banned, 1, V, jnp.int32) > 0
+    return jnp.where(hit, -jnp.inf, logits)
+
+
+def _apply_penalties(logits, t: SamplingTensors):
+    S, V = logits.shape
+    out_counts = _scatter_ids((S, V), t.output_token_ids, 1, V, jnp.int32)
+    out_mask = out_counts > 0
+    seen = out_mask | (_scatter_ids((S, V), t.prompt_token_ids, 1, V, jnp.int32) > 0)
+    rep = jnp.where(seen, t.repetition_penalty[:, None], 1.0)
+    logits = jnp.where(logits > 0, logits / rep, logits * rep)
+    logits = logits - t.frequency_penalty[:, None] * out_counts.astype(jnp.float32)
+    logits = logits - t.presence_penalty[:, None] * out_mask.astype(jnp.float32)
+    return logits
+
+
+def _bisect_max(pred, lo, hi, iters):
+    """Per row, the largest uint32 t in [lo, hi] with pred(t) true, for pred
+    true at lo and monotone (true, then false). ``iters`` >= bit length of hi - lo."""
+
+    def body(_, c):
+        lo, hi = c
+        d = hi - lo
+        mid = lo + (d >> 1) + (d & 1)
+        ok = pred(mid)
+        return jnp.where(ok, mid, lo), jnp.where(ok, hi, mid - 1)
+
+    lo, _ = lax.fori_loop(0, iters, body, (lo, hi))
+    return lo
+
+
+def _orderable(x):
+    """float32 -> uint32 with the same order (-0.0 first mapped to +0.0)."""
+    x = jnp.where(x == 0, jnp.zeros_like(x), x)
+    b = lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where((b >> 31) == 1, ~b, b | jnp.uint32(0x80000000))
+
+
+def _apply_top_k(logits, top_k):
+    S, V = logits.shape
+    keys = _orderable(logits)
+    k = jnp.clip(top_k, 1, V)[:, None]
+    # The k-th largest value: the largest t with #(keys >= t) >= k.
+    thr = _bisect_max(lambda t: jnp.sum(keys >= t, axis=-1, keepdims=True) >= k,
+                      keys.min(-1, keepdims=True), keys.max(-1, keepdims=True), 32)
+    drop = (keys < thr) & (top_k < V)[:, None]
+    return jnp.where(drop, -jnp.inf, logits)
+
+
+def _apply_top_p(logits, top_p):
+    probs = jax.nn.softmax(logits, axis=-1)
+    keys = lax.bitcast_convert_type(probs, jnp.uint32)  # probs >= 0: bit order = value order
+    q = (1.0 - top_p)[:, None]
+    # The largest t with mass(p <= t) <= 1 - top_p; tokens at or below it go.
+    # Probabilities are <= 1.0 = 0x3F800000 < 2**30, so 30 halvings suffice.
+    mass_le = lambda t: jnp.sum(jnp.where(keys <= t, probs, 0.0), axis=-1, keepdims=True) <= q
+    kmax = keys.max(-1, keepdims=True)
+    thr = _bisect_max(mass_le, jnp.zeros_like(kmax), kmax, 30)
+    drop = (keys <= thr) & (keys < kmax) & (top_p < 1.0)[:, None]
+    return jnp.where(drop, -jnp.inf, logits)
+
+
+def _apply_min_p(logits, min_p):
+    rel = jnp.exp(logits - logits.max(-1, keepdims=True))  # p / p_max
+    return jnp.where(rel < min_p[:, None], -jnp.inf, logits)
+
+
+def _last_positive(x):
+    """Per row, the index of the last entry > 0 (0 if none)."""
+    n = x.shape[-1]
+    return n - 1 - jnp.argmax((x > 0)[:, ::-1], axis=-1)
+
+
+def _inverse_cdf(probs, u):
+    """Per row, the token where the cumulative probability first exceeds
+    ``u * total``; never a zero-probability token (when the row has any mass)."""
+    S, V = probs.shape
+    nb = -(-V // _CDF_BLOCK)
+    p = jnp.pad(probs, ((0, 0), (0, nb * _CDF_BLOCK - V))).reshape(S, nb, _CDF_BLOCK)
+    bsum = p.sum(-1)                                   # [S, nb]
+    bcum = jnp.cumsum(bsum, axis=-1)
+    x = u * bcum[:, -1]
+    b = jnp.sum(bcum <= x[:, None], axis=-1)
+    b = jnp.minimum(b, _last_positive(bsum))           # rounding at the top end
+    before = jnp.where(b > 0, jnp.take_along_axis(bcum, jnp.maximum(b - 1, 0)[:, None], -1)[:, 0], 0.0)
+    x_in = jnp.maximum(x - before, 0.0)
+    inner = jnp.take_along_axis(p, b[:, None, None], axis=1)[:, 0]  # [S, block]
+    j = jnp.sum(jnp.cumsum(inner, axis=-1) <= x_in[:, None], axis=-1)
+    j = jnp.minimum(j, _last_positive(inner))
+    return (b * _CDF_BLOCK + j).astype(jnp.int32)
+
+
+def _row_uniforms(key_data, key_offset):
+    keys = jax.random.wrap_key_data(key_data, impl="threefry2x32")
+    draw = lambda k, o: jax.random.uniform(jax.random.fold_in(k, o), (), jnp.float32)
+    return jax.vmap(draw)(keys, key_offset)
+
+
+def _top(logprobs, num_top):
+    S = logprobs.shape[0]
+    if num_top == 0:
+        return jnp.zeros((S, 0), jnp.int32), jnp.zeros((S, 0), jnp.float32)
+    vals, ids = lax.top_k(logprobs, num_top)
+    return ids.astype(jnp.int32), vals
+
+
+@jax.jit
+def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
+    """Sample one token per row. ``logits``: float[S, V] with S == t.batch_size."""
+    S, V = logits.shape
+    if t.temperature.shape[0] != S:
+        raise ValueError(f"logits have {S} rows but the sampling tensors {t.temperature.shape[0]}")
+    logits = _ban(logits.astype(jnp.float32), t.banned_token_ids)
+    if t.do_penalties:
+        logits = _apply_penalties(logits, t)
+    if t.all_greedy:
+        ids = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        if t.num_top == 0:  # no [S, V] log_softmax materialised
+            lse = jax.nn.logsumexp(logits, axis=-1)
+            lp = jnp.take_along_axis(logits, ids[:, None], -1)[:, 0] - lse
+            return SamplerOutput(ids, lp, *_top(logits[:, :0], 0))
+        logprobs = jax.nn.log_softmax(logits, axis=-1)
+    else:
+        logits = logits / t.temperature[:, None]
+        if t.do_top_k:
+            logits = _apply_top_k(logits, t.top_k)
+        if t.do_top_p:
+            logits = _apply_top_p(logits, t.top_p)
+        if t.do_min_p:
+            logits = _apply_min_p(logits, t.min_p)
+        logprobs = jax.nn.log_softmax(logits, axis=-1)
+        drawn = _inverse_cdf(jnp.exp(logprobs), _row_uniforms(t.key_data, t.key_offset))
+        ids = jnp.where(t.greedy, jnp.argmax(logits, axis=-1).astype(jnp.int32), drawn)
+    lp = jnp.take_along_axis(logprobs, ids[:, None], -1)[:, 0]
+    return SamplerOutput(ids, lp, *_top(logprobs, t.num_top))
+
+
+@partial(jax.jit, static_argnames=("num_top",))
+def token_logprobs(logits: jax.Array, token_ids: jax.Array, num_top: int = 0):
+    """Plain log_softmax logprobs of given tokens (for ``prompt_logprobs``): row t
+    of ``logits`` [T, V] scores ``token_ids[t]`` (the next prompt token). Returns
+    (logprob [T], top ids [T, num_top], top logprobs [T, num_top]). No penalties
+    or temperature: the model's own distribution."""
+    logprobs = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    lp = jnp.take_along_axis(logprobs, token_ids[:, None].astype(jnp.int32), -1)[:, 0]
+    return (lp, *_top(logprobs, min(num_top, logits.shape[1])))

@@ -1,0 +1,294 @@
+"""Iteration-level (continuous) batching, first come first served, with preemption.
+
+Each call to :meth:`Scheduler.schedule` decides one iteration: which sequences
+run and how many of their tokens, which blocks move between device and host,
+and which blocks are copied. Running requests go first (oldest first); when
+their next tokens need blocks that are not there, the newest running requests
+are preempted (recompute: drop their blocks and rerun them later; swap: move
+their blocks to host memory). Swapped requests come back before any new prompt
+is admitted. With chunked prefill, prompts are split so that one iteration
+never runs more than ``max_num_batched_tokens`` tokens, and a long prompt shares
+iterations with running decodes instead of stalling them.
+
+Plain Python: the same scheduler drives the real engine and the simulator.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Optional
+
+from paged_jax.memory.block_manager import AllocStatus, BlockManager
+from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
+
+logger = logging.getLogger("paged_jax")
+
+
+class PreemptionMode(enum.Enum):
+    RECOMPUTE = "recompute"
+    SWAP = "swap"
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    preemption_mode: Optional[str] = None  # None: recompute single-sequence groups, swap the others
+    enable_chunked_prefill: bool = False
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ValueError(f"{name} must be a positive integer, got {v!r}")
+        if self.preemption_mode not in (None, "recompute", "swap"):
+            raise ValueError(f"preemption_mode must be None, 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
+                f"({self.max_model_len}) without chunked prefill, or a long prompt could never run; "
+                "raise it or set enable_chunked_prefill=True")
+
+
+@dataclass
+class ScheduledSeq:
+    """One row of the batch: ``num_tokens`` tokens of ``seq`` from ``seq.num_computed_tokens`` on."""
+
+    seq: Sequence
+    group: SequenceGroup
+    num_tokens: int
+    block_table: list[int]
+
+    @property
+    def start_pos(self) -> int:
+        return self.seq.num_computed_tokens
+
+    @property
+    def completes(self) -> bool:
+        """After this step every token of the sequence has its K/V: sample the next one."""
+        return self.seq.num_computed_tokens + self.num_tokens == self.seq.get_len()
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    blocks_to_swap_in: dict[int, int] = field(default_factory=dict)  # host block -> device block
+    blocks_to_swap_out: dict[int, int] = field(default_factory=dict)  # device block -> host block
+    blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device blocks
+    ignored: list[SequenceGroup] = field(default_factory=list)  # finished at once (too long, never fits)
+    preempted: list[tuple[SequenceGroup, PreemptionMode]] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    def is_empty(self) -> bool:
+        return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+        self.config = config
+        self.block_manager = block_manager
+        self.waiting: deque[SequenceGroup] = deque()
+        self.running: list[SequenceGroup] = []
+        self.swapped: deque[SequenceGroup] = deque()
+        self.num_preemptions = {m.value: 0 for m in PreemptionMode}
+
+    # ---- queue management ----------------------------------------------------
+    def add_seq_group(self, group: SequenceGroup) -> None:
+        self.waiting.append(group)
+
+    def has_unfinished_seqs(self) -> bool:
+        return bool(self.waiting or self.running or self.swapped)
+
+    def get_num_unfinished_seq_groups(self) -> int:
+        return len(self.waiting) + len(self.running) + len(self.swapped)
+
+    def abort_seq_group(self, request_id: str) -> Optional[SequenceGroup]:
+        """Remove a request wherever it is, free its blocks, mark its sequences aborted."""
+        for queue in (self.waiting, self.running, self.swapped):
+            for group in list(queue):
+                if group.request_id == request_id:
+                    queue.remove(group)
+                    for seq in group.get_unfinished_seqs():
+                        seq.status = SequenceStatus.FINISHED_ABORTED
+                        self.free_seq(seq)
+                    return group
+        return None
+
+    def free_seq(self, seq: Sequence) -> None:
+        if self.block_manager.has_seq(seq):
+            self.block_manager.free(seq)
+
+    def free_finished_seq_groups(self) -> None:
+        self.running = [g for g in self.running if not g.is_finished()]
+
+    # ---- the iteration -------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        chunked = self.config.enable_chunked_prefill
+
+        # 1. Running requests, oldest first; preempt the newest when blocks run out.
+        running = deque(self.running)
+        self.running = []
+        num_seqs = 0
+        while running:
+            group = running.popleft()
+            while not self.block_manager.can_append_slots(group):
+                victim = running.pop() if running else group
+                self._preempt(victim, out)
+                if victim is group:
+                    break
+            else:
+                rows = self._rows(group, budget, chunked)
+                if rows is None:  # no token budget left this iteration: stays running, runs next time
+                    self.running.append(group)
+                    continue
+                for seq, n in rows:
+                    cow = self.block_manager.append_slot(seq)
+                    if cow is not None:
+                        out.blocks_to_copy.append(cow)
+                    out.scheduled.append(ScheduledSeq(seq, group, n, self.block_manager.get_block_table(seq)))
+                    budget -= n
+                num_seqs += group.num_seqs(SequenceStatus.RUNNING)
+                self.running.append(group)
+
+        # 2. Swapped requests come back (oldest first) when nothing was preempted this step.
+        if not out.preempted:
+            while self.swapped:
+                group = self.swapped[0]
+                n_seqs = group.num_seqs(SequenceStatus.SWAPPED)
+                if num_seqs + n_seqs > self.config.max_num_seqs or budget < n_seqs:
+                    break
+                if not self.block_manager.can_swap_in(group):
+                    break
+                self.swapped.popleft()
+                out.blocks_to_swap_in.update(self.block_manager.swap_in(group))
+                for seq in group.get_seqs(SequenceStatus.SWAPPED):
+                    seq.status = SequenceStatus.RUNNING
+                rows = self._rows(group, budget, chunked)
+                for seq, n in rows or []:
+                    cow = self.block_manager.append_slot(seq)
+                    if cow is not None:
+                        out.blocks_to_copy.append(cow)
+                    out.scheduled.append(ScheduledSeq(seq, group, n, self.block_manager.get_block_table(seq)))
+                    budget -= n
+                num_seqs += n_seqs
+                self.running.append(group)
+
+        # 3. New prompts, first come first served, only when no request is swapped out.
+        while self.waiting and not self.swapped and not out.preempted:
+            group = self.waiting[0]
+            seq = group.get_seqs(SequenceStatus.WAITING)[0]
+            reason = self._reject_reason(group, seq)
+            if reason is not None:
+                self.waiting.popleft()
+                self._ignore(group, reason, out)
+                continue
+            n_seqs = group.num_seqs(SequenceStatus.WAITING)
+            if num_seqs + n_seqs > self.config.max_num_seqs:
+                break
+            status = self.block_manager.can_allocate(group)
+            if status is AllocStatus.NEVER:
+                self.waiting.popleft()
+                self._ignore(group, f"prompt of {seq.get_len()} tokens can never fit in the KV cache "
+                                    f"({self.block_manager.gpu_allocator.num_total_blocks} blocks of "
+                                    f"{self.block_manager.block_size} tokens)", out)
+                continue
+            if status is AllocStatus.LATER:
+                break
+            # The prompt (minus any cached prefix) must fit this step's token budget, unless chunked.
+            uncached = seq.get_len()  # upper bound before the prefix-cache lookup
+            if not chunked and uncached > budget and out.scheduled:
+                break
+            if chunked and budget <= 0:
+                break
+            self.waiting.popleft()
+            self.block_manager.allocate(group)
+            for s in group.get_seqs(SequenceStatus.WAITING):
+                s.status = SequenceStatus.RUNNING
+            rows = self._rows(group, budget, chunked) or []
+            for s, n in rows:
+                out.scheduled.append(ScheduledSeq(s, group, n, self.block_manager.get_block_table(s)))
+                budget -= n
+            num_seqs += n_seqs
+            self.running.append(group)
+        return out
+
+    # ---- helpers -------------------------------------------------------------
+    def _rows(self, group: SequenceGroup, budget: int, chunked: bool) -> Optional[list[tuple[Sequence, int]]]:
+        """Tokens each running sequence of ``group`` runs this step, or None if the budget is spent.
+
+        Sequences of a group that share their uncomputed prompt (n samples before
+        they fork) are one row: only the group's first sequence computes it.
+        """
+        rows = []
+        for seq in group.get_seqs(SequenceStatus.RUNNING):
+            need = seq.num_uncomputed_tokens
+            if need <= 0:
+                continue
+            n = min(need, budget) if chunked else need
+            if n <= 0 or (not chunked and n > budget):
+                break
+            rows.append((seq, n))
+            budget -= n
+        return rows or None
+
+    def _reject_reason(self, group: SequenceGroup, seq: Sequence) -> Optional[str]:
+        if seq.get_len() > self.config.max_model_len:
+            return f"prompt of {seq.get_len()} tokens exceeds max_model_len={self.config.max_model_len}"
+        return None
+
+    def _ignore(self, group: SequenceGroup, reason: str, out: SchedulerOutput) -> None:
+        logger.warning("request %s rejected: %s", group.request_id, reason)
+        for seq in group.get_seqs():
+            seq.status = SequenceStatus.FINISHED_IGNORED
+        group.finish_message = reason
+        out.ignored.append(group)
+
+    def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
+        mode = self._preemption_mode(group)
+        if mode is PreemptionMode.SWAP and not self.block_manager.can_swap_out(group):
+            if group.num_seqs(SequenceStatus.RUNNING) == 1:
+                mode = PreemptionMode.RECOMPUTE
+            else:
+                logger.error("request %s aborted: no host swap space left to preempt its %d sequences",
+                             group.request_id, group.num_seqs(SequenceStatus.RUNNING))
+                for seq in group.get_unfinished_seqs():
+                    seq.status = SequenceStatus.FINISHED_ABORTED
+                    self.free_seq(seq)
+                group.finish_message = "aborted: out of KV cache and host swap space"
+                out.ignored.append(group)
+                return
+        self.num_preemptions[mode.value] += 1
+        logger.warning("preempting request %s by %s: not enough free KV cache blocks (%d free); "
+                       "total preemptions: %d", group.request_id, mode.value,
+                       self.block_manager.get_num_free_gpu_blocks(), sum(self.num_preemptions.values()))
+        out.preempted.append((group, mode))
+        if mode is PreemptionMode.RECOMPUTE:
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                self.free_seq(seq)
+                seq.reset_for_recompute()
+            self.waiting.appendleft(group)
+        else:
+            out.blocks_to_swap_out.update(self.block_manager.swap_out(group))
+            for seq in group.get_seqs(SequenceStatus.RUNNING):
+                seq.status = SequenceStatus.SWAPPED
+            self.swapped.append(group)
+
+    def _preemption_mode(self, group: SequenceGroup) -> PreemptionMode:
+        forced = self.config.preemption_mode
+        multi = group.num_seqs(SequenceStatus.RUNNING) > 1
+        if forced == "swap" or (forced is None and multi):
+            return PreemptionMode.SWAP
+        if multi:
+            # Recompute would re-prefill each sample's diverged tokens without their shared blocks;
+            # like vLLM, groups of several live sequences are swapped.
+            return PreemptionMode.SWAP
+        return PreemptionMode.RECOMPUTE
