@@ -23,7 +23,7 @@ from paged_jax.models import FAMILIES
 from paged_jax.models.config import model_config_from_hf
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
-DEFAULT_MODEL_NAME = "tiny-llama-v1"
+DEFAULT_MODEL_NAME = "tiny-llama-v2"
 
 # Small shapes per family; override any field with keyword arguments.
 TINY_CONFIGS = {
@@ -41,14 +41,26 @@ TINY_CONFIGS = {
 SPECIAL_TOKENS = {
     "llama": dict(bos="<s>", eos="</s>", unk="<unk>", pad=None, add_bos=True),
     "opt": dict(bos="</s>", eos="</s>", unk="<unk>", pad="<pad>", add_bos=True),
-    "gpt2": dict(bos="<|endoftext|>", eos="<|endoftext|>", unk=None, pad=None, add_bos=False),
+    "gpt2": dict(bos="<|endoftext|>", eos="<|endoftext|>", unk="<unk>", pad=None, add_bos=False),
 }
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
+def _printable_alphabet() -> list[str]:
+    from tokenizers import pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    chars = "".join(chr(c) for c in range(32, 127)) + "\n\t"
+    return sorted({ch for piece, _ in byte_level.pre_tokenize_str(chars) for ch in piece})
+
+
 def train_tokenizer(family: str, vocab_size: int = 512):
-    """A byte-level BPE tokenizer trained on the bundled corpus (deterministic)."""
+    """A byte-level BPE tokenizer trained on the bundled corpus (deterministic).
+
+    Its alphabet is the byte-level images of printable ASCII (other bytes map to
+    the unknown token), so the random models' outputs read as word pieces rather
+    than control characters and broken UTF-8."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     sp = SPECIAL_TOKENS[family]
@@ -57,7 +69,7 @@ def train_tokenizer(family: str, vocab_size: int = 512):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+                                  initial_alphabet=_printable_alphabet())
     tok.train([str(CORPUS)], trainer)
     if sp["add_bos"]:
         bos_id = tok.token_to_id(sp["bos"])

@@ -1,0 +1,86 @@
+"""``paged-jax`` command line: ``generate`` (the main job) and ``make-tiny``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+DEMO_PROMPTS = [
+    "Hello, my name is", "The president of the United States is", "The capital of France is",
+    "The future of AI is", "Once upon a time", "The quick brown fox", "In the beginning",
+    "Please write a short poem about the moon", "What is two plus two?", "Translate into German: the cat",
+    "The weather today is", "def add(a, b):", "Memory is the bottleneck because", "A block table maps",
+    "She opened the window and", "The library opens at", "Large language models generate",
+    "Numbers: one two three", "Good morning,", "Researchers measure throughput in",
+]
+
+
+def _engine_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="HF model folder (default: the bundled tiny LLaMA)")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-kv-blocks", type=int, default=None)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-model-len", type=int, default=None)
+    p.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
+    p.add_argument("--enable-chunked-prefill", action="store_true")
+    p.add_argument("--enable-prefix-caching", action="store_true")
+    p.add_argument("--attention-backend", default="reference")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _llm(a):
+    from paged_jax import LLM
+
+    return LLM(model=a.model, dtype=a.dtype, block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
+               max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, preemption_mode=a.preemption_mode,
+               enable_chunked_prefill=a.enable_chunked_prefill, enable_prefix_caching=a.enable_prefix_caching,
+               attention_backend=a.attention_backend, seed=a.seed)
+
+
+def cmd_generate(a) -> int:
+    from paged_jax import SamplingParams
+
+    prompts = a.prompt or DEMO_PROMPTS
+    llm = _llm(a)
+    params = SamplingParams(temperature=a.temperature, max_tokens=a.max_tokens, seed=a.sampling_seed)
+    t0 = time.perf_counter()
+    outputs = llm.generate(prompts, params)
+    dt = time.perf_counter() - t0
+    for o in outputs:
+        print(f"{o.prompt!r} -> {o.outputs[0].text!r}")
+    n_out = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    n_in = sum(len(o.prompt_token_ids) for o in outputs)
+    stats = llm.llm_engine.get_stats()
+    print(f"\n{len(outputs)} requests in {dt:.2f} s (compilation included): {len(outputs) / dt:.2f} requests/s, "
+          f"{n_out / dt:.1f} generated tokens/s, {(n_in + n_out) / dt:.1f} total tokens/s; "
+          f"{stats['num_compilations']} compilations, {stats['num_preemptions']} preemptions")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="paged-jax", description="PagedAttention / vLLM-style serving in JAX")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    g = sub.add_parser("generate", help="generate completions for a batch of prompts (offline, like LLM.generate)")
+    _engine_args(g)
+    g.add_argument("--prompt", action="append", help="a prompt (repeatable); default: 20 demo prompts")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--sampling-seed", type=int, default=None)
+    g.add_argument("-v", "--verbose", action="store_true")
+    t = sub.add_parser("make-tiny", help="write a tiny random HF model folder (llama, opt or gpt2) offline")
+    t.add_argument("rest", nargs=argparse.REMAINDER)
+    a = ap.parse_args(argv)
+    if a.cmd == "make-tiny":
+        from paged_jax.models.tiny import main as tiny_main
+
+        tiny_main(a.rest)
+        return 0
+    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    return cmd_generate(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
