@@ -189,7 +189,11 @@ class ModelRunner:
         if n <= 0:
             return []
         want = row.group.sampling_params.prompt_logprobs
-        targets = np.asarray(tokens[row.start_pos + 1: row.start_pos + 1 + n], np.int32)
+        # Pad to a bucket so that prompt lengths do not each compile their own shape.
+        nb = bucket(n)
+        targets = np.zeros(nb, np.int32)
+        targets[:n] = tokens[row.start_pos + 1: row.start_pos + 1 + n]
+        rows = np.minimum(np.arange(nb) + start, logits.shape[0] - 1)
         lp, top_ids, top_lps = jax.device_get(
-            token_logprobs(logits[start:start + n], targets, num_top=bucket(want) if want else 0))
+            token_logprobs(logits[rows], targets, num_top=bucket(want) if want else 0))
         return [make_logprobs_dict(targets[t], lp[t], top_ids[t], top_lps[t], want) for t in range(n)]
