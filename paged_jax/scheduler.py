@@ -146,16 +146,8 @@ class Scheduler:
                 if victim is group:
                     break
             else:
-                rows = self._rows(group, budget, chunked)
-                if rows is None:  # no token budget left this iteration: stays running, runs next time
-                    self.running.append(group)
-                    continue
-                for seq, n in rows:
-                    cow = self.block_manager.append_slot(seq)
-                    if cow is not None:
-                        out.blocks_to_copy.append(cow)
-                    out.scheduled.append(ScheduledSeq(seq, group, n, self.block_manager.get_block_table(seq)))
-                    budget -= n
+                # With no token budget left, the group stays running and runs next time.
+                budget -= self._schedule_rows(group, budget, out)
                 num_seqs += group.num_seqs(SequenceStatus.RUNNING)
                 self.running.append(group)
 
@@ -172,13 +164,7 @@ class Scheduler:
                 out.blocks_to_swap_in.update(self.block_manager.swap_in(group))
                 for seq in group.get_seqs(SequenceStatus.SWAPPED):
                     seq.status = SequenceStatus.RUNNING
-                rows = self._rows(group, budget, chunked)
-                for seq, n in rows or []:
-                    cow = self.block_manager.append_slot(seq)
-                    if cow is not None:
-                        out.blocks_to_copy.append(cow)
-                    out.scheduled.append(ScheduledSeq(seq, group, n, self.block_manager.get_block_table(seq)))
-                    budget -= n
+                budget -= self._schedule_rows(group, budget, out)
                 num_seqs += n_seqs
                 self.running.append(group)
 
@@ -213,32 +199,31 @@ class Scheduler:
             self.block_manager.allocate(group)
             for s in group.get_seqs(SequenceStatus.WAITING):
                 s.status = SequenceStatus.RUNNING
-            rows = self._rows(group, budget, chunked) or []
-            for s, n in rows:
-                out.scheduled.append(ScheduledSeq(s, group, n, self.block_manager.get_block_table(s)))
-                budget -= n
+            budget -= self._schedule_rows(group, budget, out)
             num_seqs += n_seqs
             self.running.append(group)
         return out
 
     # ---- helpers -------------------------------------------------------------
-    def _rows(self, group: SequenceGroup, budget: int, chunked: bool) -> Optional[list[tuple[Sequence, int]]]:
-        """Tokens each running sequence of ``group`` runs this step, or None if the budget is spent.
+    def _schedule_rows(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> int:
+        """Schedule the running sequences of ``group`` within ``budget`` tokens; return the tokens used.
 
-        Sequences of a group that share their uncomputed prompt (n samples before
-        they fork) are one row: only the group's first sequence computes it.
+        Each sequence runs its uncomputed tokens (one for a decode; a prompt, or
+        with chunked prefill as much of it as the budget allows). Its block table
+        first grows to cover them, copying a shared last block (copy-on-write).
         """
-        rows = []
+        used = 0
         for seq in group.get_seqs(SequenceStatus.RUNNING):
             need = seq.num_uncomputed_tokens
-            if need <= 0:
-                continue
-            n = min(need, budget) if chunked else need
-            if n <= 0 or (not chunked and n > budget):
+            n = min(need, budget - used) if self.config.enable_chunked_prefill else need
+            if n <= 0 or n > budget - used:
                 break
-            rows.append((seq, n))
-            budget -= n
-        return rows or None
+            cow = self.block_manager.append_slot(seq)
+            if cow is not None:
+                out.blocks_to_copy.append(cow)
+            out.scheduled.append(ScheduledSeq(seq, group, n, self.block_manager.get_block_table(seq)))
+            used += n
+        return used
 
     def _reject_reason(self, group: SequenceGroup, seq: Sequence) -> Optional[str]:
         if seq.get_len() > self.config.max_model_len:
