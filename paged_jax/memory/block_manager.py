@@ -154,21 +154,24 @@ class BlockManager:
         if num_tokens < table.num_tokens:
             raise ValueError(f"sequence {seq.seq_id} has {num_tokens} tokens, fewer than the "
                              f"{table.num_tokens} its blocks hold")
-        self._ensure_free(Device.GPU, self._num_append_blocks([seq], Device.GPU), "append_slot")
+        copy_last = self._needs_copy(table, num_tokens)
+        num_new = self._blocks_for(num_tokens) - len(table.blocks)
+        self._ensure_free(Device.GPU, num_new + copy_last, "append_slot")
         copy = None
-        if False:
+        if copy_last:
             src = table.blocks[-1]
             dst = self._new_block(Device.GPU)
             self._release(Device.GPU, src)
             table.blocks[-1] = dst
             copy = (src, dst)
-        table.blocks.extend(self._new_block(Device.GPU)
-                            for _ in range(self._blocks_for(num_tokens) - len(table.blocks)))
+        table.blocks.extend(self._new_block(Device.GPU) for _ in range(num_new))
         table.num_tokens = num_tokens
         return copy
 
     def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
-        """The child shares all of the parent's blocks (each gains a reference)."""
+        """The child shares all of the parent's blocks (each gains a reference).
+        Fork after sampling, when the parent's blocks hold only computed tokens:
+        copy-on-write protects the blocks that receive new tokens, not pending ones."""
         parent = self._table(parent_seq)
         if child_seq.seq_id in self._tables:
             raise ValueError(f"sequence {child_seq.seq_id} already has a block table")
@@ -281,7 +284,8 @@ class BlockManager:
         for table in self._tables.values():
             if table.device is Device.GPU:
                 for i, block in enumerate(table.blocks):
-                    fill[block] = max(fill.get(block, 0), min(self.block_size, table.num_tokens - i * self.block_size))
+                    tokens = min(self.block_size, table.num_tokens - i * self.block_size)
+                    fill[block] = max(fill.get(block, 0), tokens)
         for pin in self._pins.values():
             fill.update((block, self.block_size) for block in pin)
         used = self.gpu_allocator.num_used_blocks
@@ -410,7 +414,7 @@ class BlockManager:
         several of them becomes one block holding as many references: sharing and
         reference counts survive the round trip. Returns {src block: dst block}."""
         tables = [self._table(seq, src) for seq in seqs]
-        self._ensure_free(dst, len({b for t in tables for b in t.blocks}), f"swap to {dst.value}")
+        self._ensure_free(dst, len(self._distinct_blocks(seqs)), f"swap to {dst.value}")
         mapping: dict[int, int] = {}
         for table in tables:
             for block in table.blocks:
@@ -421,6 +425,7 @@ class BlockManager:
                 self._release(src, block)
             table.blocks = [mapping[b] for b in table.blocks]
             table.device = dst
+            table.block_hashes.clear()  # new blocks: mark_blocks_computed hashes and registers them anew
         return mapping
 
 

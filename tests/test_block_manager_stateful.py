@@ -1,0 +1,266 @@
+"""Random interleavings of every BlockManager operation, checked after each step.
+
+The machine plays a tiny scheduler and executor: requests with shared prompt
+prefixes over a 3-token alphabet (so prefix hits happen), decode and multi-token
+growth, forks, finishes, swap out / in, recompute preemption, pins and cache
+resets, in small pools (so eviction and preemption happen). It also simulates
+the KV contents: every computed slot holds a value derived from the sequence's
+tokens up to that position; copies and swaps move values as the executor
+would. After every step it checks, independently of the manager's own
+bookkeeping, that refcounts match the block tables and pins, that the pools add
+up, that every sequence reads back the K/V of its own tokens (so copy-on-write,
+swapping and prefix hits are right) and that no write lands in a shared block.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import Counter, defaultdict
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from paged_jax.memory import NULL_BLOCK, AllocStatus, BlockManager, Device
+from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
+
+BS = 2
+NUM_GPU_BLOCKS = 14  # 13 usable
+NUM_CPU_BLOCKS = 8
+PREFIXES = [(), (0, 1, 2, 0), (1, 1, 1, 1, 2, 2), (0, 1) * 10]  # the last may exceed the pool
+tokens_st = st.lists(st.integers(0, 2), max_size=6)
+pick_st = st.integers(0, 1000)
+
+
+def kv_values(token_ids: list[int]) -> list[int]:
+    """The simulated K/V of each position: depends on the token and everything before it."""
+    values, h = [], 0
+    for t in token_ids:
+        h = hash((h, t))
+        values.append(h)
+    return values
+
+
+class BlockManagerMachine(RuleBasedStateMachine):
+    @initialize(caching=st.booleans(), watermark=st.sampled_from([0.0, 0.1]))
+    def setup(self, caching: bool, watermark: float) -> None:
+        self.bm = BlockManager(BS, NUM_GPU_BLOCKS, NUM_CPU_BLOCKS, watermark, caching)
+        self.groups: list[SequenceGroup] = []
+        self.ids = itertools.count()
+        self.mem = {Device.GPU: defaultdict(lambda: [None] * BS), Device.CPU: defaultdict(lambda: [None] * BS)}
+        self.pins: dict[int, list[int]] = {}  # handle -> expected values of the pinned slots
+
+    # ---- helpers ----------------------------------------------------------------------
+    def with_status(self, status: SequenceStatus) -> list[SequenceGroup]:
+        return [g for g in self.groups if g.seqs[0].status is status]
+
+    def write(self, seq: Sequence, stop: int) -> None:
+        """Compute tokens num_computed..stop-1 into the sequence's own (unshared) blocks."""
+        table, values = self.bm.get_block_table(seq), kv_values(seq.get_token_ids())
+        for pos in range(seq.num_computed_tokens, stop):
+            block = table[pos // BS]
+            assert self.bm.gpu_allocator.get_ref_count(block) == 1, f"write into shared block {block}"
+            self.mem[Device.GPU][block][pos % BS] = values[pos]
+        seq.num_computed_tokens = stop
+        self.bm.mark_blocks_computed(seq)
+
+    def preempt(self, group: SequenceGroup) -> None:
+        if self.bm.can_swap_out(group):
+            self.swap(group, Device.GPU)
+        elif len(group.seqs) == 1:
+            self.bm.free(group.seqs[0])
+            group.seqs[0].reset_for_recompute()
+        else:
+            self.finish(group, group.seqs)
+
+    def finish(self, group: SequenceGroup, seqs: list[Sequence]) -> None:
+        for seq in list(seqs):
+            self.bm.free(seq)
+            seq.status = SequenceStatus.FINISHED_ABORTED
+            group.remove(seq.seq_id)
+        if not group.seqs:
+            self.groups.remove(group)
+
+    def swap(self, group: SequenceGroup, src: Device) -> None:
+        status, dst = {Device.GPU: (SequenceStatus.RUNNING, Device.CPU),
+                       Device.CPU: (SequenceStatus.SWAPPED, Device.GPU)}[src]
+        seqs = group.get_seqs(status)
+        before = [self.bm.get_block_table(s) for s in seqs]
+        mapping = self.bm.swap_out(group) if src is Device.GPU else self.bm.swap_in(group)
+        assert set(mapping) == {b for t in before for b in t}
+        assert len(set(mapping.values())) == len(mapping)  # one block per block: sharing survives
+        assert [self.bm.get_block_table(s) for s in seqs] == [[mapping[b] for b in t] for t in before]
+        for old, new in mapping.items():
+            self.mem[dst][new] = list(self.mem[src][old])
+        for seq in seqs:
+            seq.status = SequenceStatus.SWAPPED if src is Device.GPU else SequenceStatus.RUNNING
+
+    # ---- rules -------------------------------------------------------------------------
+    @precondition(lambda self: len(self.groups) < 6)
+    @rule(prefix=st.sampled_from(PREFIXES), suffix=tokens_st, n=st.integers(1, 3))
+    def add_request(self, prefix, suffix, n) -> None:
+        prompt = list(prefix) + suffix or [0]
+        self.groups.append(SequenceGroup(f"r{len(self.groups)}", [Sequence(next(self.ids), prompt) for _ in range(n)]))
+
+    @precondition(lambda self: self.with_status(SequenceStatus.WAITING))
+    @rule(pick=pick_st, chunk=st.integers(1, 8))
+    def schedule_waiting(self, pick, chunk) -> None:
+        """Admit a request. A single sequence computes its prompt in chunks (chunked
+        prefill); the n sequences of a sampling request compute their shared prompt once."""
+        waiting = self.with_status(SequenceStatus.WAITING)
+        group = waiting[pick % len(waiting)]
+        status = self.bm.can_allocate(group)
+        if status is AllocStatus.NEVER:
+            self.finish(group, group.seqs)
+        elif status is AllocStatus.OK:
+            self.bm.allocate(group)
+            first = group.seqs[0]
+            assert first.num_computed_tokens % BS == 0 and first.num_computed_tokens < first.get_len()
+            for seq in group.seqs:
+                seq.status = SequenceStatus.RUNNING
+            self.check_contents()  # prefix hits must hold this sequence's K/V
+            if len(group.seqs) == 1:
+                self.write(first, min(first.get_len(), first.num_computed_tokens + chunk))
+                return
+            table, values = self.bm.get_block_table(first), kv_values(first.get_token_ids())
+            for pos in range(first.num_computed_tokens, first.get_len()):
+                assert self.bm.gpu_allocator.get_ref_count(table[pos // BS]) == len(group.seqs)
+                self.mem[Device.GPU][table[pos // BS]][pos % BS] = values[pos]
+            for seq in group.seqs:
+                seq.num_computed_tokens = seq.get_len()
+                self.bm.mark_blocks_computed(seq)
+
+    @precondition(lambda self: self.with_status(SequenceStatus.RUNNING))
+    @rule(pick=pick_st, chunk=st.integers(1, 8), data=st.data())
+    def step(self, pick, chunk, data) -> None:
+        """Sequences with uncomputed tokens compute a chunk of them; the others get
+        0-3 new tokens (decode, or several at once). Slots first, else a preemption."""
+        running = self.with_status(SequenceStatus.RUNNING)
+        group = running[pick % len(running)]
+        for seq in group.seqs:
+            if seq.num_computed_tokens == seq.get_len():
+                for t in data.draw(st.lists(st.integers(0, 2), max_size=3)):
+                    seq.append_token_id(t)
+        if not self.bm.can_append_slots(group):
+            self.preempt(group)
+            return
+        for seq in group.seqs:
+            last = self.bm.get_block_table(seq)[-1:]
+            copy = self.bm.append_slot(seq)
+            if copy is not None:
+                src, dst = copy
+                assert [src] == last and self.bm.gpu_allocator.get_ref_count(dst) == 1
+                self.mem[Device.GPU][dst] = list(self.mem[Device.GPU][src])
+            self.write(seq, min(seq.get_len(), seq.num_computed_tokens + chunk))
+
+    @precondition(lambda self: self.with_status(SequenceStatus.RUNNING))
+    @rule(pick=pick_st)
+    def fork(self, pick) -> None:
+        running = self.with_status(SequenceStatus.RUNNING)
+        group = running[pick % len(running)]
+        parent = group.seqs[pick % len(group.seqs)]
+        if len(group.seqs) < 4 and parent.num_computed_tokens == parent.get_len():  # forks follow sampling
+            child = parent.fork(next(self.ids))
+            self.bm.fork(parent, child)
+            group.add(child)
+
+    @precondition(lambda self: self.groups)
+    @rule(pick=pick_st)
+    def finish_seq(self, pick) -> None:
+        group = self.groups[pick % len(self.groups)]
+        self.finish(group, [group.seqs[pick % len(group.seqs)]])
+
+    @precondition(lambda self: self.with_status(SequenceStatus.RUNNING))
+    @rule(pick=pick_st)
+    def swap_out(self, pick) -> None:
+        running = self.with_status(SequenceStatus.RUNNING)
+        self.preempt(running[pick % len(running)])
+
+    @precondition(lambda self: self.with_status(SequenceStatus.SWAPPED))
+    @rule(pick=pick_st)
+    def swap_in(self, pick) -> None:
+        swapped = self.with_status(SequenceStatus.SWAPPED)
+        group = swapped[pick % len(swapped)]
+        if self.bm.can_swap_in(group):
+            self.swap(group, Device.CPU)
+
+    @precondition(lambda self: len(self.pins) < 3 and self.with_status(SequenceStatus.RUNNING))
+    @rule(pick=pick_st)
+    def pin(self, pick) -> None:
+        running = self.with_status(SequenceStatus.RUNNING)
+        seq = running[pick % len(running)].seqs[0]
+        handle = self.bm.pin_prefix(seq)
+        values = kv_values(seq.get_token_ids())
+        self.pins[handle] = values[:len(self.bm.get_pinned_blocks(handle)) * BS]
+
+    @precondition(lambda self: self.pins)
+    @rule(pick=pick_st)
+    def unpin(self, pick) -> None:
+        handle = sorted(self.pins)[pick % len(self.pins)]
+        self.bm.unpin_prefix(handle)
+        del self.pins[handle]
+
+    @rule()
+    def reset_prefix_cache(self) -> None:
+        self.bm.reset_prefix_cache()
+
+    # ---- invariants ----------------------------------------------------------------------
+    def live_tables(self) -> list[tuple[Sequence, Device, list[int]]]:
+        out = []
+        for group in self.groups:
+            for seq in group.seqs:
+                if seq.status is SequenceStatus.WAITING:
+                    assert not self.bm.has_seq(seq)
+                else:
+                    device = Device.GPU if seq.status is SequenceStatus.RUNNING else Device.CPU
+                    out.append((seq, device, self.bm.get_block_table(seq)))
+        return out
+
+    @invariant()
+    def refcounts_match_tables_and_pins(self) -> None:
+        self.bm.check_invariants()
+        expected = {Device.GPU: Counter(), Device.CPU: Counter()}
+        for seq, device, table in self.live_tables():
+            expected[device].update(table)
+            assert len(table) <= -(-seq.get_len() // BS)  # waste under one block
+        for handle in self.pins:
+            expected[Device.GPU].update(self.bm.get_pinned_blocks(handle))
+        for device, allocator in ((Device.GPU, self.bm.gpu_allocator), (Device.CPU, self.bm.cpu_allocator)):
+            assert NULL_BLOCK not in expected[device] or device is Device.CPU
+            for block in range(allocator.first_block, allocator.num_blocks):
+                assert allocator.get_ref_count(block) == expected[device][block], (device, block)
+                assert not (expected[device][block] and allocator.is_free(block))
+        usage = self.bm.get_usage()
+        gpu, cpu = self.bm.gpu_allocator, self.bm.cpu_allocator
+        assert gpu.num_free_blocks + usage.num_used_gpu_blocks + usage.num_cached_gpu_blocks == gpu.num_total_blocks
+        assert self.bm.get_num_free_gpu_blocks() == gpu.num_free_blocks + usage.num_cached_gpu_blocks
+        assert cpu.num_free_blocks + cpu.num_used_blocks == cpu.num_total_blocks == NUM_CPU_BLOCKS
+        assert usage.num_tokens_stored <= usage.num_token_slots_used
+
+    @invariant()
+    def check_contents(self) -> None:
+        for seq, device, table in self.live_tables():
+            values = kv_values(seq.get_token_ids())
+            for pos in range(seq.num_computed_tokens):
+                assert self.mem[device][table[pos // BS]][pos % BS] == values[pos], (seq.seq_id, pos)
+        for handle, values in self.pins.items():
+            for pos, value in enumerate(values):
+                assert self.mem[Device.GPU][self.bm.get_pinned_blocks(handle)[pos // BS]][pos % BS] == value
+
+    def teardown(self) -> None:
+        if not hasattr(self, "bm"):
+            return
+        for group in list(self.groups):
+            self.finish(group, group.seqs)
+        for handle in list(self.pins):
+            self.bm.unpin_prefix(handle)
+        self.bm.check_invariants()
+        assert self.bm.gpu_allocator.num_used_blocks == 0 and self.bm.cpu_allocator.num_used_blocks == 0
+        assert self.bm.get_num_free_gpu_blocks() == self.bm.gpu_allocator.num_total_blocks
+        assert self.bm.get_num_free_cpu_blocks() == NUM_CPU_BLOCKS
+        self.bm.reset_prefix_cache()
+        assert self.bm.gpu_allocator.num_free_blocks == self.bm.gpu_allocator.num_total_blocks
+
+
+BlockManagerMachine.TestCase.settings = settings(max_examples=200, stateful_step_count=50, deadline=None)
+TestBlockManagerStateful = BlockManagerMachine.TestCase
