@@ -75,6 +75,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from paged_jax.utils import pow2_bucket
+
 _SAMPLING_EPS = 1e-5
 _M64 = (1 << 64) - 1
 _M32 = (1 << 32) - 1
@@ -105,12 +107,7 @@ def _key_words(seed: int) -> tuple[int, int]:
 
 
 def _pow2_bucket(n: int, minimum: int) -> int:
-    if n <= 0:
-        return 0
-    b = minimum
-    while b < n:
-        b *= 2
-    return b
+    return 0 if n <= 0 else pow2_bucket(n, minimum)
 
 
 # ---- per-row parameters -------------------------------------------------------

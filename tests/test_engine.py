@@ -121,3 +121,12 @@ def test_prompt_that_never_fits_is_rejected(tiny_llama_dir):
     assert outs[0].outputs[0].token_ids == [] and "never fit" in outs[0].finish_message
     assert len(outs[1].outputs[0].token_ids) == 3
     assert_all_free(llm)
+
+
+def test_pallas_backend_through_engine_matches_hf(hf_model_dir):
+    """Decode steps run the Pallas kernel (interpret mode on the CPU); tokens equal HF's."""
+    path = hf_model_dir("llama_gqa")
+    prompts = make_prompts(512, n=6, hi=30)
+    llm, got = run_engine(path, prompts, max_tokens=8, num_kv_blocks=64, attention_backend="pallas")
+    assert got == hf_greedy(path, prompts, max_tokens=8)
+    assert_all_free(llm)

@@ -57,3 +57,6 @@ def paged_attention_layer(q, k, v, kv_cache, meta: AttentionMetadata, scale: flo
 
 __all__ = ["AttentionMetadata", "paged_attention_reference", "register_backend", "get_backend",
            "available_backends", "write_kv", "paged_attention_layer"]
+from pallas_kernels.paged_attention import register as _register_pallas  # noqa: E402
+
+_register_pallas()

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from paged_jax.utils import pow2_bucket as bucket
+
 NULL_BLOCK = 0  # reserved physical block that padded rows read and padded tokens write
 
 
@@ -20,18 +22,6 @@ class SeqChunk:
     token_ids: list[int]  # the tokens to run this step
     start_pos: int  # position of token_ids[0] (= tokens already in the cache)
     block_table: list[int]  # covers start_pos + len(token_ids) tokens
-
-
-def bucket(n: int, minimum: int = 1, maximum: int | None = None) -> int:
-    """Smallest power of two >= max(n, minimum), capped at ``maximum`` when given (and >= n)."""
-    b = max(minimum, 1)
-    while b < n:
-        b *= 2
-    if maximum is not None and b > maximum:
-        if n > maximum:
-            raise ValueError(f"size {n} exceeds the largest bucket {maximum}")
-        b = maximum
-    return b
 
 
 @dataclass

@@ -106,8 +106,8 @@ class ModelRunner:
 
     @property
     def num_compilations(self) -> int:
-        """Distinct step shapes compiled plus sampler variants compiled."""
-        return len(self._compiled) + sample._cache_size()
+        """Distinct step shapes compiled, plus sampler variants and cache-op shapes (process-wide)."""
+        return len(self._compiled) + sample._cache_size() + sum(cache_ops.num_compiled_shapes().values())
 
     def run_batch(self, batch: Batch, all_logits: bool = False) -> jax.Array:
         """The forward pass; returns the logits (on the device) of each row's last token, or of every token."""

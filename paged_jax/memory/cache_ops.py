@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax.utils import pow2_bucket
+
 from paged_jax.memory.block_allocator import NULL_BLOCK
 
 KVCaches = list[tuple[jax.Array, jax.Array]]
@@ -47,10 +49,7 @@ def allocate_host_pool(num_layers: int, num_blocks: int, block_size: int, num_kv
 
 def bucket_size(n: int) -> int:
     """Smallest power of two >= max(n, MIN_BUCKET)."""
-    size = MIN_BUCKET
-    while size < n:
-        size *= 2
-    return size
+    return pow2_bucket(n, MIN_BUCKET)
 
 
 def _padded(indices: Sequence[int]) -> np.ndarray:

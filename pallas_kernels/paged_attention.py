@@ -1,0 +1,226 @@
+"""Paged attention DECODE kernel in Pallas (Triton backend), checked against
+:func:`paged_jax.attention.reference.paged_attention_reference`.
+
+Cache layout is the project's: ``k_cache``/``v_cache`` ``[num_blocks, block_size,
+num_kv_heads, head_dim]``, block tables ``int32[S, max_blocks]`` (entry 0 is the
+null block), ``context_lens int32[S]`` (0 for padded batch rows).
+
+Grid ``(S, num_kv_heads, num_partitions)``. Program ``(s, h, p)`` takes the G
+query heads that share KV head ``h`` (padded to ``Gp = max(16, pow2(G))`` rows, so
+each K/V tile is loaded once for the whole group and both products are real
+``[Gp, *]`` matmuls), and walks partition ``p`` of sequence ``s``'s block table:
+``pages_per_partition`` table entries, consumed ``pages_per_chunk`` at a time.
+Each chunk loads its page ids from the table, gathers those pages of K and V
+(``k_ref[page_ids]`` on the ``[num_blocks, block_size, head_dim]`` view of head
+``h``), masks token positions ``>= context_len`` and updates an online softmax in
+float32. The loop's trip count is computed from ``context_len``, so pages past
+the end are never read except for the tail of the last chunk (masked). The
+program writes its unnormalised output, running max and running sum; a few jnp
+ops merge the partitions (flash-decoding / vLLM PagedAttention V2). With
+``partition_size=None`` there is a single partition (PagedAttention V1).
+
+On CPU the kernel runs in interpret mode; on GPU it is lowered with the Triton
+backend (``jax.experimental.pallas.triton.CompilerParams``), because in JAX 0.10
+``pallas_call`` without compiler params would pick Mosaic GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu_triton
+
+# No module-level import of paged_jax.attention: its __init__ imports this module to
+# register the backend, and either may be imported first.
+
+# Finite "minus infinity": used both as the initial running max and as the value of
+# masked logits, so exp(m - max) is 0 and never NaN (also for rows with no tokens).
+_NEG = -1e30
+_MIN_DOT = 16  # Triton's tl.dot needs every matmul dimension >= 16.
+
+
+def _is_pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def _decode_kernel(scale_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
+                   block_size: int, pages_per_chunk: int, pages_per_partition: int, precision):
+    """One (sequence, kv head, partition).
+
+    scale_ref [1] f32; len_ref [1] i32; bt_ref [pages_per_partition] i32;
+    q_ref [Gp, D]; k_ref/v_ref [num_blocks, block_size, D] (this kv head's view);
+    o_ref [Gp, D] f32 (unnormalised); m_ref, l_ref [Gp] f32.
+    """
+    part = pl.program_id(2)
+    gp, d = q_ref.shape
+    chunk = pages_per_chunk * block_size
+    length = len_ref[0]
+    first_page = part * pages_per_partition
+    # Pages of this partition that hold at least one token < length.
+    n_pages = jnp.clip(pl.cdiv(length, block_size) - first_page, 0, pages_per_partition)
+    n_chunks = pl.cdiv(n_pages, pages_per_chunk)
+    q = q_ref[...]
+    scale = scale_ref[0]
+
+    def body(c, carry):
+        o, m, l = carry
+        pages = bt_ref[pl.ds(c * pages_per_chunk, pages_per_chunk)]
+        k = k_ref[pages].reshape(chunk, d)
+        v = v_ref[pages].reshape(chunk, d)
+        s = pl.dot(q, k, trans_b=True, precision=precision) * scale  # [Gp, chunk] f32
+        pos = (first_page + c * pages_per_chunk) * block_size + jnp.arange(chunk, dtype=jnp.int32)
+        s = jnp.where((pos < length)[None, :], s, _NEG)
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        alpha = jnp.exp(m - m_new)
+        p = jnp.exp(s - m_new[:, None])
+        l_new = alpha * l + p.sum(axis=-1)
+        o_new = alpha[:, None] * o + pl.dot(p.astype(v.dtype), v, precision=precision)
+        return o_new, m_new, l_new
+
+    init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), _NEG, jnp.float32), jnp.zeros((gp,), jnp.float32))
+    o, m, l = lax.fori_loop(0, n_chunks, body, init)
+    o_ref[...] = o
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _plan(block_size: int, max_blocks: int, partition_size: int | None, chunk_tokens: int):
+    """(pages_per_chunk, pages_per_partition, num_partitions)."""
+    target = max(1, chunk_tokens // block_size)
+    if partition_size is None:
+        # Whole table in one partition; at least 16 tokens per chunk (the table is padded).
+        ppc = max(min(target, _next_pow2(max_blocks)), -(-_MIN_DOT // block_size))
+        ppp = -(-max_blocks // ppc) * ppc
+    else:
+        if partition_size % block_size:
+            raise ValueError(f"partition_size={partition_size} must be a multiple of block_size={block_size}")
+        ppp = partition_size // block_size
+        ppc = 1
+        while ppc * 2 <= target and ppp % (ppc * 2) == 0:
+            ppc *= 2
+    if ppc * block_size < _MIN_DOT:
+        raise ValueError(f"a chunk of {ppc} pages x {block_size} tokens is under {_MIN_DOT} tokens (Triton dot "
+                         f"minimum): use a partition_size that is a multiple of {_MIN_DOT}")
+    return ppc, ppp, -(-max_blocks // ppp)
+
+
+@functools.partial(jax.jit, static_argnames=("partition_size", "chunk_tokens", "interpret", "num_warps",
+                                             "num_stages"))
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *,
+                           partition_size: int | None = None, chunk_tokens: int = 64,
+                           interpret: bool | None = None, num_warps: int = 4, num_stages: int = 2):
+    """Decode attention of one query per sequence over its paged K/V.
+
+    q [S, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D]; block_tables int32
+    [S, max_blocks]; context_lens int32 [S]; scale: softmax scale (float or scalar array).
+    ``partition_size`` (tokens, a multiple of block_size) splits each context into
+    partitions run in parallel and merged (None: one partition). ``chunk_tokens``:
+    tokens per inner loop step (rounded to whole pages). ``interpret``: None means
+    interpret on CPU. Returns [S, H, D] in q's dtype; softmax in float32.
+    Padded rows (context_len 0) return zeros.
+    """
+    S, H, D = q.shape
+    num_blocks, block_size, KVH, Dk = k_cache.shape
+    max_blocks = block_tables.shape[1]
+    if k_cache.shape != v_cache.shape or Dk != D:
+        raise ValueError(f"cache shapes {k_cache.shape}, {v_cache.shape} do not match q {q.shape}")
+    if H % KVH:
+        raise ValueError(f"num_heads={H} must be a multiple of num_kv_heads={KVH}")
+    if not (_is_pow2(D) and D >= _MIN_DOT and _is_pow2(block_size)):
+        raise ValueError(f"head_dim ({D}) must be a power of 2 >= {_MIN_DOT} and block_size ({block_size}) a "
+                         "power of 2 (Triton tensor shapes)")
+    if interpret is None:
+        interpret = jax.default_backend() == "cpu"
+    G = H // KVH
+    Gp = max(_MIN_DOT, _next_pow2(G))
+    ppc, ppp, P = _plan(block_size, max_blocks, partition_size, chunk_tokens)
+
+    qg = q.reshape(S, KVH, G, D)
+    if Gp != G:
+        qg = jnp.pad(qg, ((0, 0), (0, 0), (0, Gp - G), (0, 0)))
+    # Pad the tables with the null block so every chunk's page ids are in bounds.
+    bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, P * ppp - max_blocks))).reshape(S, P, ppp)
+    lens = context_lens.astype(jnp.int32)
+    scale_arr = jnp.asarray(scale, jnp.float32).reshape(1)
+    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+
+    kernel = functools.partial(_decode_kernel, block_size=block_size, pages_per_chunk=ppc,
+                               pages_per_partition=ppp, precision=precision)
+    cache_spec = pl.BlockSpec((num_blocks, block_size, None, D), lambda s, h, p: (0, 0, h, 0))
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(S, KVH, P),
+        in_specs=[
+            pl.BlockSpec((1,), lambda s, h, p: (0,)),                       # scale
+            pl.BlockSpec((1,), lambda s, h, p: (s,)),                       # context_lens
+            pl.BlockSpec((None, None, ppp), lambda s, h, p: (s, p, 0)),     # block table partition
+            pl.BlockSpec((None, None, Gp, D), lambda s, h, p: (s, h, 0, 0)),  # q group
+            cache_spec,                                                     # k_cache
+            cache_spec,                                                     # v_cache
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, Gp, D), lambda s, h, p: (s, h, p, 0, 0)),
+            pl.BlockSpec((None, None, None, Gp), lambda s, h, p: (s, h, p, 0)),
+            pl.BlockSpec((None, None, None, Gp), lambda s, h, p: (s, h, p, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((S, KVH, P, Gp, D), jnp.float32),
+            jax.ShapeDtypeStruct((S, KVH, P, Gp), jnp.float32),
+            jax.ShapeDtypeStruct((S, KVH, P, Gp), jnp.float32),
+        ],
+        interpret=interpret,
+        compiler_params=plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        name=f"paged_decode_attention_bs{block_size}_ppc{ppc}_ppp{ppp}",
+    )(scale_arr, lens, bt, qg, k_cache, v_cache)
+
+    # Merge partitions: weights exp(m_p - max_p m_p); empty rows (l == 0) give 0, not NaN.
+    m_max = m.max(axis=2, keepdims=True)
+    w = jnp.exp(m - m_max)
+    l_sum = (l * w).sum(axis=2)
+    o_sum = (o * w[..., None]).sum(axis=2)
+    out = o_sum / jnp.where(l_sum > 0, l_sum, 1.0)[..., None]
+    return out[:, :, :G].reshape(S, H, D).astype(q.dtype)
+
+
+def _auto_partition(S: int, H: int, max_context: int, partition_size: int = 512) -> int | None:
+    """vLLM's rule: split only long contexts, and only when the batch alone cannot fill the GPU."""
+    if max_context <= partition_size or S * H > 512:
+        return None
+    return partition_size
+
+
+def paged_attention_pallas(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale):
+    """Attention backend "pallas": same signature and result as ``paged_attention_reference``.
+
+    Decode (``Q == 1``, a static shape) runs :func:`paged_decode_attention`, splitting the
+    context into 512-token partitions for long contexts and small batches. Prefill or
+    mixed steps (``Q > 1``) fall back to ``paged_attention_reference`` for now: a
+    prefill kernel is a later slice.
+    """
+    S, Q, H, D = q.shape
+    if Q != 1:
+        from paged_jax.attention.reference import paged_attention_reference
+
+        return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale)
+    block_size = k_cache.shape[1]
+    part = _auto_partition(S, H, block_tables.shape[1] * block_size)
+    if part is not None and part % block_size:
+        part = None
+    out = paged_decode_attention(q[:, 0], k_cache, v_cache, block_tables, context_lens, scale, partition_size=part)
+    return out[:, None]
+
+
+def register() -> None:
+    """Make ``attention_backend="pallas"`` available."""
+    from paged_jax.attention import register_backend
+
+    register_backend("pallas", paged_attention_pallas)
