@@ -107,6 +107,7 @@ class LLMEngine:
         self._seq_counter = itertools.count()
         self._groups: dict[str, SequenceGroup] = {}
         self._prompt_logprobs: dict[str, list] = {}
+        self._prefix_requests: dict[str, Optional[int]] = {}  # add_prefix requests -> pin handle once done
         self.num_generated_tokens = 0
         self.num_steps = 0
 
@@ -141,6 +142,24 @@ class LLMEngine:
         if sampling_params.prompt_logprobs is not None:
             self._prompt_logprobs[request_id] = [None]
         self.scheduler.add_seq_group(group)
+
+    def add_prefix(self, prompt: Optional[str] = None, prompt_token_ids: Optional[list[int]] = None) -> int:
+        """Compute a shared prefix (a system prompt, few-shot examples) once and keep its
+        full blocks in the cache (the paper's Sec. 4.4). Later requests whose prompts
+        start with it map those blocks instead of recomputing them, with or without
+        automatic prefix caching. Runs the engine until the prefix is computed;
+        returns a handle for :meth:`release_prefix`."""
+        rid = f"__prefix_{next(self._seq_counter)}"
+        self.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                         prompt_token_ids=prompt_token_ids)
+        self._prefix_requests[rid] = None
+        while self._prefix_requests[rid] is None:
+            self.step()
+        return self._prefix_requests.pop(rid)
+
+    def release_prefix(self, handle: int) -> None:
+        """Drop a prefix kept by :meth:`add_prefix`; its blocks are freed once no request uses them."""
+        self.block_manager.unpin_prefix(handle)
 
     def abort_request(self, request_id: Union[str, list[str]]) -> None:
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
@@ -187,9 +206,14 @@ class LLMEngine:
         for group in touched.values():
             for seq in group.get_seqs():
                 if seq.is_finished() and self.block_manager.has_seq(seq):
+                    if group.request_id in self._prefix_requests:
+                        self._prefix_requests[group.request_id] = self.block_manager.pin_prefix(seq)
                     self.scheduler.free_seq(seq)
         self.scheduler.free_finished_seq_groups()
-        outputs = [self._request_output(g) for g in touched.values()]
+        outputs = [self._request_output(g) for g in touched.values() if g.request_id not in self._prefix_requests]
+        for rid in self._prefix_requests:
+            if rid in touched and touched[rid].is_finished():
+                self._groups.pop(rid, None)
         for o in outputs:
             if o.finished:
                 self._groups.pop(o.request_id, None)

@@ -32,6 +32,13 @@ class LLM:
         self.llm_engine = LLMEngine(args)
         self._counter = 0
 
+    def add_prefix(self, prompt: Optional[str] = None, prompt_token_ids: Optional[Sequence[int]] = None) -> int:
+        """Compute a shared prefix once and keep its blocks; see :meth:`LLMEngine.add_prefix`."""
+        return self.llm_engine.add_prefix(prompt, None if prompt_token_ids is None else list(prompt_token_ids))
+
+    def release_prefix(self, handle: int) -> None:
+        self.llm_engine.release_prefix(handle)
+
     def get_tokenizer(self):
         return self.llm_engine.tokenizer
 

@@ -130,3 +130,30 @@ def test_pallas_backend_through_engine_matches_hf(hf_model_dir):
     llm, got = run_engine(path, prompts, max_tokens=8, num_kv_blocks=64, attention_backend="pallas")
     assert got == hf_greedy(path, prompts, max_tokens=8)
     assert_all_free(llm)
+
+
+def test_shared_prefix_blocks_are_mapped_not_recomputed(hf_model_dir):
+    """Paper Sec. 4.4: a prefix computed once; requests starting with it map its full blocks."""
+    path = hf_model_dir("llama_gqa")
+    rng = np.random.default_rng(9)
+    prefix = rng.integers(3, 512, size=43).tolist()  # 5 full blocks of 8 and 3 tokens
+    prompts = [prefix + p for p in make_prompts(512, n=8, lo=1, hi=15, seed=4)]
+    llm = LLM(model=str(path), num_kv_blocks=128, block_size=8)  # automatic prefix caching off
+    handle = llm.add_prefix(prompt_token_ids=prefix)
+    engine, bm = llm.llm_engine, llm.llm_engine.block_manager
+    pinned = bm.get_pinned_blocks(handle)
+    assert len(pinned) == 5 and bm.get_usage().num_used_gpu_blocks == 5
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", None, SamplingParams(temperature=0, max_tokens=MAX_TOKENS), prompt_token_ids=p)
+    engine.step()
+    for i in range(len(prompts)):
+        seq = engine._groups[f"r{i}"].seqs[0]
+        assert bm.get_block_table(seq)[:5] == pinned
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o.outputs[0].token_ids
+    assert [outs[f"r{i}"] for i in range(len(prompts))] == hf_greedy(path, prompts)
+    assert bm.get_usage().num_used_gpu_blocks == 5
+    llm.release_prefix(handle)
+    assert_all_free(llm)
