@@ -119,6 +119,7 @@ def test_logprobs_and_prompt_logprobs_match_hf(llm, tiny_llama_dir):
         assert abs(entry[tok] - row[tok]) < 1e-4
         assert set(np.argsort(-row)[:3]) <= set(entry)
     assert abs(comp.cumulative_logprob - sum(e[t] for t, e in zip(comp.token_ids, comp.logprobs))) < 1e-4
+    assert_all_free(llm)
 
 
 def test_abort_frees_blocks(llm):
@@ -155,6 +156,7 @@ def test_no_compilation_after_warmup(llm):
     before = llm.llm_engine.get_stats()["num_compilations"]
     gen(llm, prompts, params)
     assert llm.llm_engine.get_stats()["num_compilations"] == before
+    assert_all_free(llm)
 
 
 def test_text_prompts_and_detokenization(llm):
@@ -165,3 +167,4 @@ def test_text_prompts_and_detokenization(llm):
         assert o.prompt_token_ids == tok.encode(o.prompt)
         c = o.outputs[0]
         assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
+    assert_all_free(llm)
