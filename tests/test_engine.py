@@ -96,10 +96,24 @@ def test_greedy_with_prefix_caching(hf_model_dir):
     prompts = [shared + p for p in make_prompts(512, n=16, lo=1, hi=20)] + make_prompts(512, n=16)
     llm, got = run_engine(path, prompts, num_kv_blocks=256, enable_prefix_caching=True, block_size=8)
     assert got == hf_greedy(path, prompts)
-    # Run the same prompts again: now the shared prefix blocks are found in the cache.
+    # Run the same prompts again: now the prompts' blocks are found in the cache, so their
+    # first step runs fewer tokens than the prompt holds.
+    runner = llm.llm_engine.runner
+    first_rows = {}
+    execute = runner.execute
+
+    def recording(out, *a):
+        for r in out.scheduled:
+            first_rows.setdefault(r.seq.seq_id, (r.start_pos, r.num_tokens, r.seq.get_prompt_len()))
+        return execute(out, *a)
+
+    runner.execute = recording
     again = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=MAX_TOKENS),
                          use_tqdm=False)
+    runner.execute = execute
     assert [o.outputs[0].token_ids for o in again] == got
+    hits = [start for start, n, plen in first_rows.values() if start > 0]
+    assert len(hits) >= 16 and all(start % 8 == 0 for start in hits)
     assert_all_free(llm)
 
 
