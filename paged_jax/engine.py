@@ -153,9 +153,13 @@ class LLMEngine:
         self.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
                          prompt_token_ids=prompt_token_ids)
         self._prefix_requests[rid] = None
-        while self._prefix_requests[rid] is None:
+        group = self._groups[rid]
+        while not group.is_finished():
             self.step()
-        return self._prefix_requests.pop(rid)
+        handle = self._prefix_requests.pop(rid)
+        if handle is None:
+            raise ValueError(f"prefix could not be computed: {group.finish_message or 'it was not run'}")
+        return handle
 
     def release_prefix(self, handle: int) -> None:
         """Drop a prefix kept by :meth:`add_prefix`; its blocks are freed once no request uses them."""

@@ -76,8 +76,10 @@ class ScheduledSeq:
 @dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
-    blocks_to_swap_in: dict[int, int] = field(default_factory=dict)  # host block -> device block
-    blocks_to_swap_out: dict[int, int] = field(default_factory=dict)  # device block -> host block
+    # (host, device) and (device, host) pairs: a list, since a device block shared by two groups
+    # swapped out in one step goes to two host blocks.
+    blocks_to_swap_in: list[tuple[int, int]] = field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = field(default_factory=list)
     blocks_to_copy: list[tuple[int, int]] = field(default_factory=list)  # (src, dst) device blocks
     ignored: list[SequenceGroup] = field(default_factory=list)  # finished at once (too long, never fits)
     preempted: list[tuple[SequenceGroup, PreemptionMode]] = field(default_factory=list)
@@ -159,9 +161,14 @@ class Scheduler:
                 if num_seqs + n_seqs > self.config.max_num_seqs or budget < n_seqs:
                     break
                 if not self.block_manager.can_swap_in(group):
+                    if not self.running and not out.scheduled:
+                        # Nothing else holds device blocks: it will never fit again.
+                        self.swapped.popleft()
+                        self._give_up(group, "its sequences outgrew the KV cache", out)
+                        continue
                     break
                 self.swapped.popleft()
-                out.blocks_to_swap_in.update(self.block_manager.swap_in(group))
+                out.blocks_to_swap_in.extend(self.block_manager.swap_in(group).items())
                 for seq in group.get_seqs(SequenceStatus.SWAPPED):
                     seq.status = SequenceStatus.RUNNING
                 budget -= self._schedule_rows(group, budget, out)
@@ -177,7 +184,8 @@ class Scheduler:
                 self.waiting.popleft()
                 self._ignore(group, reason, out)
                 continue
-            n_seqs = group.num_seqs(SequenceStatus.WAITING)
+            # A request's samples fork after its prompt: count them all now.
+            n_seqs = max(group.num_seqs(SequenceStatus.WAITING), self._num_samples(group))
             if num_seqs + n_seqs > self.config.max_num_seqs:
                 break
             status = self.block_manager.can_allocate(group)
@@ -188,6 +196,12 @@ class Scheduler:
                                     f"{self.block_manager.block_size} tokens)", out)
                 continue
             if status is AllocStatus.LATER:
+                if not self.running and not self.swapped and not out.scheduled:
+                    # Nothing can free blocks (the rest are pinned prefixes): it would wait forever.
+                    self.waiting.popleft()
+                    self._ignore(group, f"prompt of {seq.get_len()} tokens does not fit in the KV cache "
+                                        "left free by pinned prefixes", out)
+                    continue
                 break
             # The prompt (minus any cached prefix) must fit this step's token budget, unless chunked.
             uncached = seq.get_len()  # upper bound before the prefix-cache lookup
@@ -196,7 +210,8 @@ class Scheduler:
             if chunked and budget <= 0:
                 break
             self.waiting.popleft()
-            self.block_manager.allocate(group)
+            params = group.sampling_params
+            self.block_manager.allocate(group, use_prefix_cache=getattr(params, "prompt_logprobs", None) is None)
             for s in group.get_seqs(SequenceStatus.WAITING):
                 s.status = SequenceStatus.RUNNING
             budget -= self._schedule_rows(group, budget, out)
@@ -225,10 +240,25 @@ class Scheduler:
             used += n
         return used
 
+    @staticmethod
+    def _num_samples(group: SequenceGroup) -> int:
+        return getattr(group.sampling_params, "best_of", None) or 1
+
     def _reject_reason(self, group: SequenceGroup, seq: Sequence) -> Optional[str]:
         if seq.get_len() > self.config.max_model_len:
             return f"prompt of {seq.get_len()} tokens exceeds max_model_len={self.config.max_model_len}"
+        if self._num_samples(group) > self.config.max_num_seqs:
+            return f"best_of={self._num_samples(group)} exceeds max_num_seqs={self.config.max_num_seqs}"
         return None
+
+    def _give_up(self, group: SequenceGroup, reason: str, out: SchedulerOutput) -> None:
+        """End a started request that can no longer run: its unfinished samples end with "length"."""
+        logger.warning("request %s ended early: %s", group.request_id, reason)
+        for seq in group.get_unfinished_seqs():
+            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+            self.free_seq(seq)
+        group.finish_message = reason
+        out.ignored.append(group)
 
     def _ignore(self, group: SequenceGroup, reason: str, out: SchedulerOutput) -> None:
         logger.warning("request %s rejected: %s", group.request_id, reason)
@@ -262,10 +292,11 @@ class Scheduler:
                 seq.reset_for_recompute()
             self.waiting.appendleft(group)
         else:
-            out.blocks_to_swap_out.update(self.block_manager.swap_out(group))
+            out.blocks_to_swap_out.extend(self.block_manager.swap_out(group).items())
             for seq in group.get_seqs(SequenceStatus.RUNNING):
                 seq.status = SequenceStatus.SWAPPED
-            self.swapped.append(group)
+            # Victims go newest first; keep the swapped queue oldest first (FCFS when they return).
+            self.swapped = deque(sorted([*self.swapped, group], key=lambda g: g.arrival_time))
 
     def _preemption_mode(self, group: SequenceGroup) -> PreemptionMode:
         forced = self.config.preemption_mode

@@ -111,11 +111,13 @@ class BlockManager:
             return AllocStatus.OK
         return AllocStatus.LATER
 
-    def allocate(self, seq_group: SequenceGroup) -> None:
+    def allocate(self, seq_group: SequenceGroup, use_prefix_cache: bool = True) -> None:
         """Give every WAITING sequence of the group one shared set of blocks covering
         its ``get_len()`` tokens (they must hold the same tokens). Leading blocks found
         in the prefix cache are reused and ``num_computed_tokens`` is set to the tokens
-        they hold (whole blocks, at most ``get_len() - 1``); without a hit it is 0."""
+        they hold (whole blocks, at most ``get_len() - 1``); without a hit it is 0.
+        ``use_prefix_cache=False`` skips the lookup (a request that wants every prompt
+        token's logprobs must compute every prompt token)."""
         seqs = _waiting_seqs(seq_group)
         token_ids = seqs[0].get_token_ids()
         for seq in seqs:
@@ -125,7 +127,7 @@ class BlockManager:
                 raise ValueError(f"the waiting sequences of request {seq_group.request_id!r} hold different "
                                  f"tokens; only identical ones can share blocks")
         num_blocks = self._blocks_for(len(token_ids))
-        hits, hashes = self._match_prefix(token_ids)
+        hits, hashes = self._match_prefix(token_ids) if use_prefix_cache else ([], [])
         self._ensure_free(Device.GPU, self._num_blocks_to_take(num_blocks, hits), "allocate")
         for block in hits:
             self._take_cached(block)

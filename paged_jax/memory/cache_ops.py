@@ -84,30 +84,38 @@ def copy_blocks(kv_caches: KVCaches, src: Sequence[int], dst: Sequence[int]) -> 
     return _copy(kv_caches, _padded(src), _padded(dst))
 
 
-def swap_out(kv_caches: KVCaches, host_pool: HostPool, mapping: Mapping[int, int]) -> None:
-    """Copy device blocks to host blocks, ``mapping = {gpu block: cpu block}``
-    (``BlockManager.swap_out``): one jitted gather, one transfer."""
-    if not mapping:
+def _pairs(mapping) -> list[tuple[int, int]]:
+    """A ``{src: dst}`` dict or a list of ``(src, dst)`` pairs (a source may repeat in a list:
+    a device block shared by two groups swapped out in one step goes to two host blocks)."""
+    return list(mapping.items()) if isinstance(mapping, Mapping) else list(mapping)
+
+
+def swap_out(kv_caches: KVCaches, host_pool: HostPool, mapping) -> None:
+    """Copy device blocks to host blocks, ``mapping``: ``{gpu block: cpu block}`` or
+    ``[(gpu, cpu), ...]`` (``BlockManager.swap_out``): one jitted gather, one transfer."""
+    pairs = _pairs(mapping)
+    if not pairs:
         return
-    data = np.asarray(_gather(kv_caches, _padded(list(mapping))))
-    cpu_blocks = list(mapping.values())
+    data = np.asarray(_gather(kv_caches, _padded([g for g, _ in pairs])))
+    cpu_blocks = [c for _, c in pairs]
     for i, (k, v) in enumerate(host_pool):
         k[cpu_blocks] = data[i, 0, :len(cpu_blocks)]
         v[cpu_blocks] = data[i, 1, :len(cpu_blocks)]
 
 
-def swap_in(kv_caches: KVCaches, host_pool: HostPool, mapping: Mapping[int, int]) -> KVCaches:
-    """Copy host blocks to device blocks, ``mapping = {cpu block: gpu block}``
-    (``BlockManager.swap_in``): one transfer, one jitted scatter. Donates ``kv_caches``."""
-    if not mapping:
+def swap_in(kv_caches: KVCaches, host_pool: HostPool, mapping) -> KVCaches:
+    """Copy host blocks to device blocks, ``mapping``: ``{cpu block: gpu block}`` or
+    ``[(cpu, gpu), ...]`` (``BlockManager.swap_in``): one transfer, one jitted scatter. Donates ``kv_caches``."""
+    pairs = _pairs(mapping)
+    if not pairs:
         return kv_caches
-    cpu_blocks = list(mapping)
+    cpu_blocks = [c for c, _ in pairs]
     k0 = host_pool[0][0]
     data = np.zeros((len(host_pool), 2, bucket_size(len(cpu_blocks))) + k0.shape[1:], k0.dtype)
     for i, (k, v) in enumerate(host_pool):
         data[i, 0, :len(cpu_blocks)] = k[cpu_blocks]
         data[i, 1, :len(cpu_blocks)] = v[cpu_blocks]
-    return _scatter(kv_caches, _padded(list(mapping.values())), data)
+    return _scatter(kv_caches, _padded([g for _, g in pairs]), data)
 
 
 def num_compiled_shapes() -> dict[str, int]:
