@@ -11,14 +11,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Optional, Union
 
-from paged_jax.executor.batch import NULL_BLOCK  # noqa: F401  (documented: padded rows use block 0)
 from paged_jax.memory.block_manager import BlockManager
 from paged_jax.outputs import CompletionOutput, RequestOutput
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from paged_jax.scheduler import Scheduler, SchedulerConfig
 from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
 
 logger = logging.getLogger("paged_jax")
@@ -214,14 +213,13 @@ class LLMEngine:
                         self._prefix_requests[group.request_id] = self.block_manager.pin_prefix(seq)
                     self.scheduler.free_seq(seq)
         self.scheduler.free_finished_seq_groups()
-        outputs = [self._request_output(g) for g in touched.values() if g.request_id not in self._prefix_requests]
-        for rid in self._prefix_requests:
-            if rid in touched and touched[rid].is_finished():
+        outputs = []
+        for rid, group in touched.items():
+            if rid not in self._prefix_requests:  # add_prefix's own requests are internal
+                outputs.append(self._request_output(group))
+            if group.is_finished():
                 self._groups.pop(rid, None)
-        for o in outputs:
-            if o.finished:
-                self._groups.pop(o.request_id, None)
-                self._prompt_logprobs.pop(o.request_id, None)
+                self._prompt_logprobs.pop(rid, None)
         return outputs
 
     def _append(self, seq: Sequence, smp, group: SequenceGroup) -> None:
@@ -277,14 +275,9 @@ class LLMEngine:
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: p.n]
         elif len(seqs) > 1:
             seqs = seqs[: p.n]
-        outs = []
-        for s in seqs:
-            reason = s.status.finish_reason
-            outs.append(CompletionOutput(s.sample_index, s.output_text, list(s.output_token_ids), s.cumulative_logprob,
-                                         list(s.output_logprobs) if p.logprobs is not None else None,
-                                         reason, s.stop_reason))
-        for i, o in enumerate(outs):
-            o.index = i
+        outs = [CompletionOutput(i, s.output_text, list(s.output_token_ids), s.cumulative_logprob,
+                                 list(s.output_logprobs) if p.logprobs is not None else None,
+                                 s.status.finish_reason, s.stop_reason) for i, s in enumerate(seqs)]
         return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids),
                              self._prompt_logprobs.get(group.request_id), outs, finished, group.finish_message)
 

@@ -117,9 +117,7 @@ class Scheduler:
             for group in list(queue):
                 if group.request_id == request_id:
                     queue.remove(group)
-                    for seq in group.get_unfinished_seqs():
-                        seq.status = SequenceStatus.FINISHED_ABORTED
-                        self.free_seq(seq)
+                    self._finish(group, SequenceStatus.FINISHED_ABORTED)
                     return group
         return None
 
@@ -164,7 +162,8 @@ class Scheduler:
                     if not self.running and not out.scheduled:
                         # Nothing else holds device blocks: it will never fit again.
                         self.swapped.popleft()
-                        self._give_up(group, "its sequences outgrew the KV cache", out)
+                        self._finish_early(group, SequenceStatus.FINISHED_LENGTH_CAPPED,
+                                           "its sequences outgrew the KV cache", out)
                         continue
                     break
                 self.swapped.popleft()
@@ -182,7 +181,7 @@ class Scheduler:
             reason = self._reject_reason(group, seq)
             if reason is not None:
                 self.waiting.popleft()
-                self._ignore(group, reason, out)
+                self._finish_early(group, SequenceStatus.FINISHED_IGNORED, reason, out)
                 continue
             # A request's samples fork after its prompt: count them all now.
             n_seqs = max(group.num_seqs(SequenceStatus.WAITING), self._num_samples(group))
@@ -191,21 +190,23 @@ class Scheduler:
             status = self.block_manager.can_allocate(group)
             if status is AllocStatus.NEVER:
                 self.waiting.popleft()
-                self._ignore(group, f"prompt of {seq.get_len()} tokens can never fit in the KV cache "
-                                    f"({self.block_manager.gpu_allocator.num_total_blocks} blocks of "
-                                    f"{self.block_manager.block_size} tokens)", out)
+                self._finish_early(group, SequenceStatus.FINISHED_IGNORED,
+                                   f"prompt of {seq.get_len()} tokens can never fit in the KV cache "
+                                   f"({self.block_manager.gpu_allocator.num_total_blocks} blocks of "
+                                   f"{self.block_manager.block_size} tokens)", out)
                 continue
             if status is AllocStatus.LATER:
                 if not self.running and not self.swapped and not out.scheduled:
                     # Nothing can free blocks (the rest are pinned prefixes): it would wait forever.
                     self.waiting.popleft()
-                    self._ignore(group, f"prompt of {seq.get_len()} tokens does not fit in the KV cache "
-                                        "left free by pinned prefixes", out)
+                    self._finish_early(group, SequenceStatus.FINISHED_IGNORED,
+                                       f"prompt of {seq.get_len()} tokens does not fit in the KV cache "
+                                       "left free by pinned prefixes", out)
                     continue
                 break
-            # The prompt (minus any cached prefix) must fit this step's token budget, unless chunked.
-            uncached = seq.get_len()  # upper bound before the prefix-cache lookup
-            if not chunked and uncached > budget and out.scheduled:
+            # Without chunking the whole prompt must fit this step's token budget (an upper
+            # bound: a prefix-cache hit, found only at allocation, runs fewer tokens).
+            if not chunked and seq.get_len() > budget and out.scheduled:
                 break
             if chunked and budget <= 0:
                 break
@@ -251,19 +252,17 @@ class Scheduler:
             return f"best_of={self._num_samples(group)} exceeds max_num_seqs={self.config.max_num_seqs}"
         return None
 
-    def _give_up(self, group: SequenceGroup, reason: str, out: SchedulerOutput) -> None:
-        """End a started request that can no longer run: its unfinished samples end with "length"."""
-        logger.warning("request %s ended early: %s", group.request_id, reason)
+    def _finish(self, group: SequenceGroup, status: SequenceStatus) -> None:
+        """End every unfinished sequence of ``group`` with ``status`` and free its blocks."""
         for seq in group.get_unfinished_seqs():
-            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+            seq.status = status
             self.free_seq(seq)
-        group.finish_message = reason
-        out.ignored.append(group)
 
-    def _ignore(self, group: SequenceGroup, reason: str, out: SchedulerOutput) -> None:
-        logger.warning("request %s rejected: %s", group.request_id, reason)
-        for seq in group.get_seqs():
-            seq.status = SequenceStatus.FINISHED_IGNORED
+    def _finish_early(self, group: SequenceGroup, status: SequenceStatus, reason: str,
+                      out: SchedulerOutput) -> None:
+        """End a request the engine cannot run (rejected, outgrew the cache, no swap space), saying why."""
+        logger.warning("request %s ended early (%s): %s", group.request_id, status.value, reason)
+        self._finish(group, status)
         group.finish_message = reason
         out.ignored.append(group)
 
@@ -273,13 +272,8 @@ class Scheduler:
             if group.num_seqs(SequenceStatus.RUNNING) == 1:
                 mode = PreemptionMode.RECOMPUTE
             else:
-                logger.error("request %s aborted: no host swap space left to preempt its %d sequences",
-                             group.request_id, group.num_seqs(SequenceStatus.RUNNING))
-                for seq in group.get_unfinished_seqs():
-                    seq.status = SequenceStatus.FINISHED_ABORTED
-                    self.free_seq(seq)
-                group.finish_message = "aborted: out of KV cache and host swap space"
-                out.ignored.append(group)
+                self._finish_early(group, SequenceStatus.FINISHED_ABORTED,
+                                   "aborted: out of KV cache and host swap space", out)
                 return
         self.num_preemptions[mode.value] += 1
         logger.warning("preempting request %s by %s: not enough free KV cache blocks (%d free); "
@@ -299,12 +293,8 @@ class Scheduler:
             self.swapped = deque(sorted([*self.swapped, group], key=lambda g: g.arrival_time))
 
     def _preemption_mode(self, group: SequenceGroup) -> PreemptionMode:
-        forced = self.config.preemption_mode
-        multi = group.num_seqs(SequenceStatus.RUNNING) > 1
-        if forced == "swap" or (forced is None and multi):
-            return PreemptionMode.SWAP
-        if multi:
-            # Recompute would re-prefill each sample's diverged tokens without their shared blocks;
-            # like vLLM, groups of several live sequences are swapped.
+        # Recompute would re-prefill each sample's diverged tokens without their shared blocks;
+        # like vLLM, groups of several live sequences are always swapped.
+        if self.config.preemption_mode == "swap" or group.num_seqs(SequenceStatus.RUNNING) > 1:
             return PreemptionMode.SWAP
         return PreemptionMode.RECOMPUTE
