@@ -2,42 +2,19 @@
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
-from paged_jax.attention import AttentionMetadata, get_backend
 from paged_jax.executor.batch import SeqChunk, prepare_batch
-from paged_jax.models import compute_logits, forward
-
-
-def empty_cache(config, num_blocks, block_size):
-    shape = (num_blocks, block_size, config.num_kv_heads, config.head_dim)
-    return [(jnp.zeros(shape, config.dtype), jnp.zeros(shape, config.dtype)) for _ in range(config.num_layers)]
-
-
-def batch_dict(batch):
-    d = {k: jnp.asarray(getattr(batch, k)) for k in ("input_ids", "positions", "slot_mapping", "token_seq",
-                                                     "token_qidx", "block_tables", "context_lens", "query_lens")}
-    return d
+from paged_jax.executor.model_runner import ModelRunner
 
 
 class PagedRunner:
-    """Greedy generation for a fixed set of prompts, each with its own (scattered) blocks."""
+    """Greedy generation for a fixed set of prompts, each with its own (scattered) blocks,
+    through the engine's own jitted step (``ModelRunner.run_batch``) but without scheduler."""
 
     def __init__(self, config, params, block_size=4, num_blocks=256, seed=0, backend="reference"):
-        self.config, self.params, self.block_size = config, params, block_size
-        self.kv = empty_cache(config, num_blocks, block_size)
-        attn = get_backend(backend)
-
-        def step(params, kv, arrays, max_q):
-            meta = AttentionMetadata(arrays["slot_mapping"], arrays["token_seq"], arrays["token_qidx"],
-                                     arrays["block_tables"], arrays["context_lens"], arrays["query_lens"],
-                                     max_query_len=max_q)
-            h, kv = forward(params, config, arrays["input_ids"], arrays["positions"], kv, meta, attn)
-            return compute_logits(params, config, h), kv
-
-        self._step = jax.jit(step, static_argnums=(3,), donate_argnums=(1,))
+        self.config, self.block_size = config, block_size
+        self.runner = ModelRunner(config, params, block_size, num_blocks, num_cpu_blocks=0, attention_backend=backend)
         # Hand out physical blocks in a shuffled order (block 0 is the null block).
         self.free = list(np.random.default_rng(seed).permutation(np.arange(1, num_blocks)))
 
@@ -48,7 +25,7 @@ class PagedRunner:
 
     def run(self, chunks):
         b = prepare_batch(chunks, self.block_size)
-        logits, self.kv = self._step(self.params, self.kv, batch_dict(b), b.max_query_len)
+        logits = self.runner.run_batch(b, all_logits=True)
         return np.asarray(logits)[: b.num_tokens], b
 
     def prefill_logits(self, prompts):
