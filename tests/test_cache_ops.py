@@ -108,3 +108,36 @@ def test_compiled_shapes_are_bucketed():
     grown = {k: v - start[k] for k, v in cache_ops.num_compiled_shapes().items()}
     assert all(v <= 2 for v in grown.values()), grown
     assert [cache_ops.bucket_size(n) for n in (0, 1, 8, 9, 17)] == [8, 8, 8, 16, 32]
+
+
+def test_one_step_swaps_out_two_groups_sharing_blocks():
+    """Two requests sharing cached prefix blocks, preempted by swap in the same step: the plan
+    sends the shared device blocks to two host blocks, and each request's host table holds its K/V."""
+    from paged_jax.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+    bm = BlockManager(block_size=BS, num_gpu_blocks=BLOCKS, num_cpu_blocks=BLOCKS, watermark=0.0,
+                      enable_prefix_caching=True)
+    sched = Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=64, preemption_mode="swap"), bm)
+    groups = []
+    for i, prompt in enumerate([list(range(9)), list(range(9)) + [50]]):
+        seq = Sequence(100 + i, prompt)
+        group = SequenceGroup(f"g{i}", [seq])
+        bm.allocate(group)
+        seq.status = SequenceStatus.RUNNING
+        seq.num_computed_tokens = seq.get_len()
+        bm.mark_blocks_computed(seq)
+        groups.append(group)
+    device_tables = [bm.get_block_table(g.seqs[0]) for g in groups]
+    assert device_tables[0][:2] == device_tables[1][:2]  # shared prefix blocks
+    out = SchedulerOutput()
+    for g in groups:
+        sched._preempt(g, out)
+    kv, ref = random_caches(np.random.default_rng(5))
+    host = cache_ops.allocate_host_pool(LAYERS, BLOCKS, BS, HEADS, DIM)
+    cache_ops.swap_out(kv, host, out.blocks_to_swap_out)
+    for g, dev in zip(groups, device_tables):
+        host_table = bm.get_block_table(g.seqs[0])
+        for i in range(LAYERS):
+            for j in range(2):
+                np.testing.assert_array_equal(host[i][j][host_table], ref[i][j][dev])
+    bm.check_invariants()
