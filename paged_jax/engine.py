@@ -14,8 +14,9 @@ import time
 from dataclasses import dataclass
 from typing import Optional, Union
 
+from paged_jax.beam_search import BeamState, beam_step, num_candidates
 from paged_jax.memory.block_manager import BlockManager
-from paged_jax.outputs import CompletionOutput, RequestOutput
+from paged_jax.outputs import CompletionOutput, RequestOutput, make_logprobs_dict
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.scheduler import Scheduler, SchedulerConfig
 from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
@@ -119,8 +120,9 @@ class LLMEngine:
                     prompt_token_ids: Optional[list[int]] = None, arrival_time: Optional[float] = None) -> None:
         if not isinstance(sampling_params, SamplingParams):
             raise TypeError(f"sampling_params must be a SamplingParams, got {type(sampling_params).__name__}")
-        if sampling_params.use_beam_search:
-            raise ValueError("use_beam_search=True is not supported by this engine yet; use best_of/n sampling")
+        if sampling_params.use_beam_search and sampling_params.stop:
+            raise ValueError(f"stop strings are not supported with use_beam_search=True (got stop="
+                             f"{sampling_params.stop!r}); use stop_token_ids")
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if prompt_token_ids is None:
@@ -137,10 +139,23 @@ class LLMEngine:
         seq.prefix_offset = max(len(prompt_token_ids) - 5, 0)
         seq.read_offset = len(prompt_token_ids)
         group = SequenceGroup(request_id, [seq], sampling_params, arrival_time or time.monotonic(), prompt)
+        if sampling_params.use_beam_search:
+            group.beam = self._beam_state(sampling_params, len(prompt_token_ids))
         self._groups[request_id] = group
         if sampling_params.prompt_logprobs is not None:
             self._prompt_logprobs[request_id] = [None]
         self.scheduler.add_seq_group(group)
+
+    def _stop_token_ids(self, p: SamplingParams) -> set[int]:
+        return set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
+
+    def _beam_state(self, p: SamplingParams, prompt_len: int) -> BeamState:
+        limit = self.scheduler_config.max_model_len - prompt_len
+        if p.max_tokens is not None:
+            limit = min(limit, p.max_tokens)
+        return BeamState(width=p.best_of, length_penalty=p.length_penalty, early_stopping=p.early_stopping,
+                         max_new_tokens=max(1, limit),
+                         num_candidates=num_candidates(p.best_of, len(self._stop_token_ids(p))))
 
     def add_prefix(self, prompt: Optional[str] = None, prompt_token_ids: Optional[list[int]] = None) -> int:
         """Compute a shared prefix (a system prompt, few-shot examples) once and keep its
@@ -184,6 +199,7 @@ class LLMEngine:
         self.num_steps += 1
         result = self.runner.execute(out, self.eos_token_id)
         touched: dict[str, SequenceGroup] = {g.request_id: g for g in out.ignored}
+        beam_rows: dict[str, list] = {}
         for i, row in enumerate(out.scheduled):
             seq, group = row.seq, row.group
             touched[group.request_id] = group
@@ -196,6 +212,9 @@ class LLMEngine:
             samples = result.samples.get(i)
             if not samples:
                 continue
+            if group.beam is not None:
+                beam_rows.setdefault(group.request_id, []).append((seq, samples[0]))
+                continue
             # The first sample continues ``seq``; extra ones (best_of > 1) fork from the prompt.
             for j, smp in enumerate(samples[1:], start=1):
                 child = seq.fork(next(self._seq_counter), sample_index=j)
@@ -206,6 +225,8 @@ class LLMEngine:
         for row in out.scheduled:
             if self.block_manager.has_seq(row.seq):
                 self.block_manager.mark_blocks_computed(row.seq)
+        for rid, rows in beam_rows.items():
+            self._beam_step(touched[rid], rows)
         for group in touched.values():
             for seq in group.get_seqs():
                 if seq.is_finished() and self.block_manager.has_seq(seq):
@@ -221,6 +242,66 @@ class LLMEngine:
                 self._groups.pop(rid, None)
                 self._prompt_logprobs.pop(rid, None)
         return outputs
+
+    def _beam_step(self, group: SequenceGroup, rows: list) -> None:
+        """Advance a beam search by one token: keep, fork and free beams through the block manager."""
+        p, state = group.sampling_params, group.beam
+        beams = [seq for seq, _ in rows]
+        stops = self._stop_token_ids(p)
+        hyps = [s for s in group.seqs if s.beam_score is not None]
+        d = beam_step(state, [s.cumulative_logprob for s in beams], [smp.candidates for _, smp in rows],
+                      beams[0].get_output_len(), [s.beam_score for s in hyps], lambda t: t in stops)
+
+        def extend(seq: Sequence, c) -> None:
+            entry = None
+            if p.logprobs is not None:
+                ids, lps = next(smp.candidates for s, smp in rows if s is beams[c.parent])
+                entry = make_logprobs_dict(c.token_id, c.logprob, ids, lps, p.logprobs)
+            seq.append_token_id(c.token_id, c.logprob, entry)
+            seq.cumulative_logprob = float(c.score)  # the float32 sum the search ranks by
+            self.num_generated_tokens += 1
+            self._detokenize(seq, p)
+
+        for c, score in d.finished:  # finished hypotheses hold no blocks
+            hyp = beams[c.parent].fork(next(self._seq_counter))
+            extend(hyp, c)
+            hyp.beam_score = float(score)
+            if c.token_id in stops:
+                hyp.status = SequenceStatus.FINISHED_STOPPED
+                hyp.stop_reason = c.token_id if c.token_id in p.stop_token_ids else None
+            else:
+                hyp.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+            group.add(hyp)
+        hyps = sorted((s for s in group.seqs if s.beam_score is not None), key=lambda s: -s.beam_score)
+        if not hyps and d.done:  # nothing finished (a vocabulary smaller than the width): keep the beams
+            for c in d.running:
+                hyp = beams[c.parent].fork(next(self._seq_counter))
+                extend(hyp, c)
+                hyp.beam_score = float(c.score)
+                hyp.status = SequenceStatus.FINISHED_LENGTH_CAPPED
+                group.add(hyp)
+            hyps = sorted((s for s in group.seqs if s.beam_score is not None), key=lambda s: -s.beam_score)
+        dropped = {s.seq_id for s in hyps[state.width:]}
+
+        # The next beams: a parent chosen once goes on itself, twice or more is forked first.
+        plan, taken = [], set()
+        for c in ([] if d.done else d.running):
+            parent = beams[c.parent]
+            if c.parent in taken:
+                child = parent.fork(next(self._seq_counter))
+                self.block_manager.fork(parent, child)
+                group.add(child)
+                plan.append((child, c))
+            else:
+                taken.add(c.parent)
+                plan.append((parent, c))
+        for b, parent in enumerate(beams):
+            if b not in taken:
+                self.scheduler.free_seq(parent)
+                dropped.add(parent.seq_id)
+        for seq, c in plan:
+            extend(seq, c)
+        group.seqs = [s for s in group.seqs if s.seq_id not in dropped]
 
     def _append(self, seq: Sequence, smp, group: SequenceGroup) -> None:
         seq.append_token_id(smp.token_id, smp.logprob, smp.logprobs)
@@ -270,7 +351,11 @@ class LLMEngine:
         p = group.sampling_params
         seqs = group.get_seqs()
         finished = group.is_finished()
-        if len(seqs) > 1 and finished:
+        if group.beam is not None:
+            # Finished: the best hypotheses by length-penalised score; meanwhile the best running beams.
+            key = (lambda s: -s.beam_score) if finished else (lambda s: -s.cumulative_logprob)
+            seqs = sorted((s for s in seqs if finished or not s.is_finished()), key=key)[: p.n]
+        elif len(seqs) > 1 and finished:
             # best_of > n: the n samples with the highest cumulative logprob.
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: p.n]
         elif len(seqs) > 1:

@@ -229,7 +229,10 @@ class Scheduler:
         first grows to cover them, copying a shared last block (copy-on-write).
         """
         used = 0
-        for seq in group.get_seqs(SequenceStatus.RUNNING):
+        seqs = group.get_seqs(SequenceStatus.RUNNING)
+        if group.beam is not None and len(seqs) > 1 and sum(s.num_uncomputed_tokens for s in seqs) > budget:
+            return 0  # beams advance together: all of them this step or none
+        for seq in seqs:
             need = seq.num_uncomputed_tokens
             n = min(need, budget - used) if self.config.enable_chunked_prefill else need
             if n <= 0 or n > budget - used:

@@ -51,6 +51,7 @@ class Sequence:
     num_computed_tokens: int = 0
     sample_index: int = 0  # which of the request's samples this is (seeds sample i independently)
     stop_reason: Optional[Any] = None
+    beam_score: Optional[float] = None  # a finished beam-search hypothesis: its length-penalised score
     # Incremental detokenizer offsets into get_token_ids() (set by the engine).
     prefix_offset: int = 0
     read_offset: int = 0
@@ -116,6 +117,7 @@ class SequenceGroup:
     prompt: Optional[str] = None
     # Set when the group is rejected or otherwise ends outside the normal path.
     finish_message: Optional[str] = None
+    beam: Any = None  # a beam_search.BeamState for beam-search requests
 
     def get_seqs(self, status: Optional[SequenceStatus] = None) -> list[Sequence]:
         if status is None:

@@ -26,6 +26,7 @@ from paged_jax.models.config import DTYPE_BYTES, ModelConfig
 from paged_jax.outputs import make_logprobs_dict
 from paged_jax.sampler import SamplingTensors, sample, seed_for_sample, token_logprobs
 from paged_jax.scheduler import SchedulerOutput
+from paged_jax.utils import pow2_bucket
 
 logger = logging.getLogger("paged_jax")
 
@@ -38,6 +39,8 @@ class Sample:
     token_id: int
     logprob: float
     logprobs: Optional[dict[int, float]]  # the top-N entry, when the request asked for logprobs
+    # Beam search rows: the best next tokens and their logprobs, best first (see paged_jax/beam_search.py).
+    candidates: Optional[tuple[list[int], list[float]]] = None
 
 
 @dataclass
@@ -122,7 +125,8 @@ class ModelRunner:
 
         Every scheduled row whose chunk completes its sequence gets samples: one,
         or ``best_of`` for a request's first token (the engine forks the extra
-        samples from the prompt). Rows of requests that ask for prompt logprobs
+        samples from the prompt). A beam-search row gets one sample carrying
+        its beam's best candidate continuations. Rows of requests that ask for prompt logprobs
         also get those for the prompt tokens they ran.
         """
         t0 = time.perf_counter()
@@ -152,11 +156,14 @@ class ModelRunner:
 
         # Sampling rows: (scheduled row, sample index).
         picks, rows = [], []
+        num_top = 0
         for i, r in enumerate(out.scheduled):
             if not r.completes:
                 continue
             params = r.group.sampling_params
-            k = params.best_of if (r.seq.get_output_len() == 0 and r.group.num_seqs() == 1) else 1
+            num_top = max(num_top, params.logprobs or 0, r.group.beam.num_candidates if r.group.beam else 0)
+            first = r.seq.get_output_len() == 0 and r.group.num_seqs() == 1
+            k = params.best_of if first and not params.use_beam_search else 1
             for j in range(k):
                 sample_index = j if k > 1 else r.seq.sample_index
                 seed = None if params.seed is None else seed_for_sample(params.seed, sample_index)
@@ -167,13 +174,19 @@ class ModelRunner:
             idx = np.zeros(n, np.int32)
             idx[: len(rows)] = [row_of_logits[i] for i, _ in picks]
             tensors = SamplingTensors.from_params(rows, self.config.vocab_size, pad_to=n, eos_token_id=eos_token_id,
-                                                  engine_seed=self.seed, step=self._sample_step)
+                                                  engine_seed=self.seed, step=self._sample_step,
+                                                  num_top=pow2_bucket(num_top) if num_top else 0)
             self._sample_step += 1
             ids, lps, top_ids, top_lps = jax.device_get(sample(logits[idx], tensors))
             for r, (i, j) in enumerate(picks):
-                want = out.scheduled[i].group.sampling_params.logprobs
+                group = out.scheduled[i].group
+                want = group.sampling_params.logprobs
                 entry = None if want is None else make_logprobs_dict(ids[r], lps[r], top_ids[r], top_lps[r], want)
-                result.samples.setdefault(i, []).append(Sample(int(ids[r]), float(lps[r]), entry))
+                cands = None
+                if group.beam is not None:
+                    k = group.beam.num_candidates
+                    cands = ([int(t) for t in top_ids[r][:k]], [float(v) for v in top_lps[r][:k]])
+                result.samples.setdefault(i, []).append(Sample(int(ids[r]), float(lps[r]), entry, cands))
         for i in want_prompt:
             result.prompt_logprobs[i] = self._prompt_logprobs(out.scheduled[i], logits, batch, i)
         self.timings["sample"] += time.perf_counter() - t3

@@ -1,0 +1,79 @@
+"""Beam search through the engine against Hugging Face ``generate(num_beams=k)``: the same
+beams, in the same order, for LLaMA and OPT, widths 2 and 4, each early_stopping setting,
+with and without preemption; beams share their common history's blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from paged_jax import LLM, SamplingParams
+from tests.hf_models import load_hf
+from tests.test_engine import assert_all_free
+
+MAX_NEW = 10
+SETTINGS = [(2, False, 1.0), (2, True, 0.5), (4, "never", 1.5), (4, False, -0.5), (4, True, 1.0), (2, "never", 1.0)]
+
+
+def _prompts(vocab_size, eos):
+    rng = np.random.default_rng(5)
+    out = []
+    for n in (3, 9, 17):
+        p = rng.integers(3, vocab_size, size=n).tolist()
+        out.append([t for t in p if t != eos] or [3])
+    return out
+
+
+def _hf_beams(model, prompt, width, early_stopping, length_penalty, eos_ids):
+    with torch.no_grad():
+        seqs = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                              do_sample=False, num_beams=width, num_return_sequences=width,
+                              early_stopping=early_stopping, length_penalty=length_penalty,
+                              max_new_tokens=MAX_NEW, eos_token_id=eos_ids, pad_token_id=eos_ids[0])
+    beams = []
+    for row in seqs[:, len(prompt):].tolist():
+        cut = next((i + 1 for i, t in enumerate(row) if t in eos_ids), len(row))
+        beams.append(row[:cut])
+    return beams
+
+
+@pytest.fixture(scope="module", params=["llama_gqa", "opt_pre"])
+def case(request, hf_model_dir):
+    path = hf_model_dir(request.param)
+    hf = load_hf(path)
+    eos = hf.generation_config.eos_token_id
+    eos = eos if isinstance(eos, int) else eos[0]
+    prompts = _prompts(hf.config.vocab_size, eos)
+    # A second stop token that the beams actually produce, so hypotheses end at different lengths:
+    # the third token of the first prompt's best beam without it.
+    stop = _hf_beams(hf, prompts[0], 2, False, 1.0, [eos])[0][2]
+    return path, hf, prompts, [eos, stop]
+
+
+def _params(width, early_stopping, length_penalty, eos_ids):
+    return SamplingParams(n=width, best_of=width, use_beam_search=True, temperature=0,
+                          early_stopping=early_stopping, length_penalty=length_penalty,
+                          max_tokens=MAX_NEW, stop_token_ids=[eos_ids[1]])
+
+
+def _expected(hf, prompts, eos_ids):
+    return {(i, s): _hf_beams(hf, p, *s, eos_ids) for i, p in enumerate(prompts) for s in SETTINGS}
+
+
+def _run(llm, prompts, eos_ids):
+    keys = [(i, s) for i, _ in enumerate(prompts) for s in SETTINGS]
+    outs = llm.generate(prompt_token_ids=[prompts[i] for i, _ in keys],
+                        sampling_params=[_params(*s, eos_ids) for _, s in keys], use_tqdm=False)
+    return {k: [c.token_ids for c in o.outputs] for k, o in zip(keys, outs)}
+
+
+def test_beam_search_matches_hf(case):
+    path, hf, prompts, eos_ids = case
+    want = _expected(hf, prompts, eos_ids)
+    assert any(len(b) < MAX_NEW for beams in want.values() for b in beams), "no hypothesis ended early"
+    llm = LLM(model=str(path), block_size=4, num_kv_blocks=512)
+    got = _run(llm, prompts, eos_ids)
+    for k in want:
+        assert got[k] == want[k], f"prompt {k[0]}, (width, early_stopping, length_penalty)={k[1]}"
+    assert_all_free(llm)
