@@ -206,7 +206,7 @@ class Scheduler:
                 break
             # Without chunking the whole prompt must fit this step's token budget (an upper
             # bound: a prefix-cache hit, found only at allocation, runs fewer tokens).
-            if not chunked and seq.get_len() > budget and out.scheduled:
+            if not chunked and self._prefill_tokens(group, seq) > budget and out.scheduled:
                 break
             if chunked and budget <= 0:
                 break
@@ -245,6 +245,13 @@ class Scheduler:
         return used
 
     @staticmethod
+    def _prefill_tokens(group: SequenceGroup, seq: Sequence) -> int:
+        """Tokens a waiting group must run in its first step (all of a recomputed beam group's beams)."""
+        if group.beam is None:
+            return seq.get_len()
+        return sum(s.get_len() for s in group.get_seqs(SequenceStatus.WAITING))
+
+    @staticmethod
     def _num_samples(group: SequenceGroup) -> int:
         return getattr(group.sampling_params, "best_of", None) or 1
 
@@ -272,7 +279,7 @@ class Scheduler:
     def _preempt(self, group: SequenceGroup, out: SchedulerOutput) -> None:
         mode = self._preemption_mode(group)
         if mode is PreemptionMode.SWAP and not self.block_manager.can_swap_out(group):
-            if group.num_seqs(SequenceStatus.RUNNING) == 1:
+            if self._can_recompute(group):
                 mode = PreemptionMode.RECOMPUTE
             else:
                 self._finish_early(group, SequenceStatus.FINISHED_ABORTED,
@@ -296,8 +303,19 @@ class Scheduler:
             self.swapped = deque(sorted([*self.swapped, group], key=lambda g: g.arrival_time))
 
     def _preemption_mode(self, group: SequenceGroup) -> PreemptionMode:
-        # Recompute would re-prefill each sample's diverged tokens without their shared blocks;
-        # like vLLM, groups of several live sequences are always swapped.
-        if self.config.preemption_mode == "swap" or group.num_seqs(SequenceStatus.RUNNING) > 1:
+        # By default, like vLLM, a single sequence is recomputed and a group of several is swapped
+        # (recomputing re-prefills each sample's diverged tokens; only common full blocks are shared).
+        mode = self.config.preemption_mode
+        if mode == "swap":
             return PreemptionMode.SWAP
-        return PreemptionMode.RECOMPUTE
+        if mode == "recompute" and self._can_recompute(group):
+            return PreemptionMode.RECOMPUTE
+        if mode is None and group.num_seqs(SequenceStatus.RUNNING) == 1:
+            return PreemptionMode.RECOMPUTE
+        return PreemptionMode.SWAP
+
+    def _can_recompute(self, group: SequenceGroup) -> bool:
+        """Beams must be recomputed in one step (they advance together): their tokens must fit the budget."""
+        seqs = group.get_seqs(SequenceStatus.RUNNING)
+        return (len(seqs) == 1 or group.beam is None
+                or sum(s.get_len() for s in seqs) <= self.config.max_num_batched_tokens)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from paged_jax import LLM, SamplingParams
+from paged_jax.sequence import SequenceStatus
 from tests.hf_models import load_hf
 from tests.test_engine import assert_all_free
 
@@ -76,4 +77,50 @@ def test_beam_search_matches_hf(case):
     got = _run(llm, prompts, eos_ids)
     for k in want:
         assert got[k] == want[k], f"prompt {k[0]}, (width, early_stopping, length_penalty)={k[1]}"
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_beam_search_under_preemption_matches_hf(case, mode):
+    path, hf, prompts, eos_ids = case
+    want = _expected(hf, prompts, eos_ids)
+    llm = LLM(model=str(path), block_size=4, num_kv_blocks=40, preemption_mode=mode)
+    scheduler = llm.llm_engine.scheduler
+    preempted_sizes = []
+    original = scheduler._preempt
+
+    def spy(group, out):
+        preempted_sizes.append(group.num_seqs(SequenceStatus.RUNNING))
+        original(group, out)
+        assert not group.is_finished(), "a preempted beam search was aborted"
+
+    scheduler._preempt = spy
+    got = _run(llm, prompts, eos_ids)
+    assert llm.llm_engine.get_stats()["num_preemptions"][mode] > 0
+    assert max(preempted_sizes) > 1  # whole beam groups moved, not only single prompts
+    for k in want:
+        assert got[k] == want[k], f"prompt {k[0]}, (width, early_stopping, length_penalty)={k[1]}"
+    assert_all_free(llm)
+
+
+def test_beams_share_blocks(case):
+    """Mid-search, the beams' tables hold fewer distinct blocks than their lengths need:
+    the prompt and the common history are shared, diverged tails are owned."""
+    path, _, prompts, eos_ids = case
+    llm = LLM(model=str(path), block_size=4, num_kv_blocks=256)
+    engine, bm = llm.llm_engine, llm.llm_engine.block_manager
+    p = SamplingParams(n=4, best_of=4, use_beam_search=True, temperature=0, max_tokens=6, ignore_eos=True)
+    engine.add_request("b", None, p, prompt_token_ids=prompts[2])
+    for _ in range(4):
+        engine.step()
+        group = engine._groups["b"]
+        beams = group.get_seqs(SequenceStatus.RUNNING)
+        assert len(beams) == 4
+        tables = [bm.get_block_table(s) for s in beams]
+        assert len({b for t in tables for b in t}) < sum(len(t) for t in tables)
+        assert len({t[0] for t in tables}) == 1  # the prompt's first block
+        bm.check_invariants()
+    while engine.has_unfinished_requests():
+        out = engine.step()
+    assert len(out[0].outputs) == 4 and out[0].finished
     assert_all_free(llm)

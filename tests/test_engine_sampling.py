@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from paged_jax import LLM, SamplingParams
+from paged_jax.sequence import SequenceStatus
 from tests.hf_models import load_hf
 from tests.test_engine import assert_all_free
 
@@ -168,3 +169,25 @@ def test_text_prompts_and_detokenization(llm):
         c = o.outputs[0]
         assert c.text == tok.decode(c.token_ids, skip_special_tokens=True)
     assert_all_free(llm)
+
+
+@pytest.mark.parametrize("mode", ["swap", "recompute"])
+def test_parallel_sampling_under_preemption_same_samples(llm, tiny_llama_dir, mode):
+    """Seeded n / best_of samples are the same when a small cache forces whole groups to
+    be swapped out or dropped and recomputed (each sample re-prefilled, common blocks shared)."""
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(3, 500, size=k).tolist() for k in (5, 12, 20, 7, 30, 16)]
+    params = [SamplingParams(n=n, best_of=b, temperature=0.8, seed=100 + i, max_tokens=24, ignore_eos=True)
+              for i, (n, b) in enumerate([(2, 2), (3, 4), (4, 4), (2, 3), (3, 3), (2, 2)])]
+    roomy = gen(llm, prompts, params)
+    small = LLM(model=str(tiny_llama_dir), num_kv_blocks=24, block_size=8, preemption_mode=mode)
+    scheduler = small.llm_engine.scheduler
+    sizes = []
+    original = scheduler._preempt
+    scheduler._preempt = lambda g, o: (sizes.append(g.num_seqs(SequenceStatus.RUNNING)), original(g, o))
+    tight = gen(small, prompts, params)
+    assert small.llm_engine.get_stats()["num_preemptions"][mode] > 0 and max(sizes) > 1
+    for a, b in zip(roomy, tight):
+        assert [c.token_ids for c in a.outputs] == [c.token_ids for c in b.outputs]
+        assert all(c.finish_reason == "length" for c in b.outputs)
+    assert_all_free(small)

@@ -102,42 +102,53 @@ class BlockManager:
     # ---- admission -------------------------------------------------------------
     def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
         """Whether ``allocate`` fits now with the watermark to spare."""
-        token_ids = _waiting_seqs(seq_group)[0].get_token_ids()
-        num_blocks = self._blocks_for(len(token_ids))
-        if num_blocks > self.gpu_allocator.num_total_blocks - self.watermark_blocks:
+        seqs = _waiting_seqs(seq_group)
+        if self._num_new_blocks(seqs, use_cache=False) > self.gpu_allocator.num_total_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
-        hits, _ = self._match_prefix(token_ids)
-        if self.get_num_free_gpu_blocks() - self._num_blocks_to_take(num_blocks, hits) >= self.watermark_blocks:
+        if self.get_num_free_gpu_blocks() - self._num_new_blocks(seqs) >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
     def allocate(self, seq_group: SequenceGroup, use_prefix_cache: bool = True) -> None:
-        """Give every WAITING sequence of the group one shared set of blocks covering
-        its ``get_len()`` tokens (they must hold the same tokens). Leading blocks found
-        in the prefix cache are reused and ``num_computed_tokens`` is set to the tokens
-        they hold (whole blocks, at most ``get_len() - 1``); without a hit it is 0.
-        ``use_prefix_cache=False`` skips the lookup (a request that wants every prompt
-        token's logprobs must compute every prompt token)."""
+        """Give every WAITING sequence of the group blocks covering its ``get_len()``
+        tokens. Sequences holding the same tokens (a new request's samples) share one
+        set of blocks; sequences that diverged (the samples or beams of a request
+        recomputed after preemption) share the leading full blocks they have in
+        common and own the rest. Leading blocks found in the prefix cache are reused
+        and ``num_computed_tokens`` is set to the tokens they hold (whole blocks, at
+        most ``get_len() - 1``); without a hit it is 0, and siblings sharing a block
+        both compute it in the same step (the same tokens give the same K/V).
+        ``use_prefix_cache=False`` skips the lookup (a request that wants every
+        prompt token's logprobs must compute every prompt token)."""
         seqs = _waiting_seqs(seq_group)
-        token_ids = seqs[0].get_token_ids()
         for seq in seqs:
             if seq.seq_id in self._tables:
                 raise ValueError(f"sequence {seq.seq_id} already has a block table")
-            if seq is not seqs[0] and seq.get_token_ids() != token_ids:
-                raise ValueError(f"the waiting sequences of request {seq_group.request_id!r} hold different "
-                                 f"tokens; only identical ones can share blocks")
-        num_blocks = self._blocks_for(len(token_ids))
-        hits, hashes = self._match_prefix(token_ids) if use_prefix_cache else ([], [])
-        self._ensure_free(Device.GPU, self._num_blocks_to_take(num_blocks, hits), "allocate")
-        for block in hits:
-            self._take_cached(block)
-        blocks = hits + [self._new_block(Device.GPU) for _ in range(num_blocks - len(hits))]
-        for _ in seqs[1:]:
-            for block in blocks:
-                self.gpu_allocator.incref(block)
+        self._ensure_free(Device.GPU, self._num_new_blocks(seqs, use_prefix_cache), "allocate")
+        done: list[tuple[list[int], BlockTable, int]] = []  # tokens, table, computed tokens
         for seq in seqs:
-            self._tables[seq.seq_id] = BlockTable(Device.GPU, list(blocks), len(token_ids), list(hashes))
-            seq.num_computed_tokens = len(hits) * self.block_size
+            tokens = seq.get_token_ids()
+            same = next((d for d in done if d[0] == tokens), None)
+            if same is not None:
+                blocks, hashes, computed = same[1].blocks, same[1].block_hashes, same[2]
+                for block in blocks:
+                    self.gpu_allocator.incref(block)
+            else:
+                hits, hashes = self._match_prefix(tokens) if use_prefix_cache else ([], [])
+                num_shared, sibling = max(((self._common_full_blocks(tokens, t), tab) for t, tab, _ in done),
+                                          key=lambda x: x[0], default=(0, None))
+                for block in hits:
+                    self._take_cached(block)
+                blocks = list(hits)
+                for block in sibling.blocks[len(hits):num_shared] if sibling else ():
+                    self.gpu_allocator.incref(block)
+                    blocks.append(block)
+                blocks += [self._new_block(Device.GPU) for _ in range(self._blocks_for(len(tokens)) - len(blocks))]
+                computed = len(hits) * self.block_size
+            table = BlockTable(Device.GPU, list(blocks), len(tokens), list(hashes))
+            self._tables[seq.seq_id] = table
+            seq.num_computed_tokens = computed
+            done.append((tokens, table, computed))
 
     # ---- growth ------------------------------------------------------------------
     def can_append_slots(self, seq_group: SequenceGroup) -> bool:
@@ -370,6 +381,27 @@ class BlockManager:
     def _num_blocks_to_take(self, num_blocks: int, hits: list[int]) -> int:
         """Free blocks an allocation of ``num_blocks`` consumes: hits on blocks in use cost nothing."""
         return num_blocks - sum(1 for b in hits if self.gpu_allocator.get_ref_count(b) > 0)
+
+    def _common_full_blocks(self, a: list[int], b: list[int]) -> int:
+        """How many leading full blocks hold the same tokens in ``a`` and ``b``."""
+        bs, n = self.block_size, 0
+        while (n + 1) * bs <= min(len(a), len(b)) and a[n * bs:(n + 1) * bs] == b[n * bs:(n + 1) * bs]:
+            n += 1
+        return n
+
+    def _num_new_blocks(self, seqs: list[Sequence], use_cache: bool = True) -> int:
+        """Free blocks ``allocate`` takes for these sequences (``use_cache=False``: with nothing cached)."""
+        need, seen = 0, []
+        for seq in seqs:
+            tokens = seq.get_token_ids()
+            if any(t == tokens for t in seen):
+                continue
+            num_blocks = self._blocks_for(len(tokens))
+            hits = self._match_prefix(tokens)[0] if use_cache else []
+            shared = max((self._common_full_blocks(tokens, t) for t in seen), default=0)
+            need += num_blocks - shared if shared > len(hits) else self._num_blocks_to_take(num_blocks, hits)
+            seen.append(tokens)
+        return need
 
     def _match_prefix(self, token_ids: list[int]) -> tuple[list[int], list[bytes]]:
         """Leading cached blocks for these tokens and their hashes; the last token is
