@@ -18,7 +18,7 @@ from paged_jax.beam_search import BeamState, beam_step, num_candidates
 from paged_jax.memory.block_manager import BlockManager
 from paged_jax.outputs import CompletionOutput, RequestOutput, make_logprobs_dict
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.scheduler import Scheduler, SchedulerConfig
+from paged_jax.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
 
 logger = logging.getLogger("paged_jax")
@@ -42,6 +42,8 @@ class EngineArgs:
     preemption_mode: Optional[str] = None
     enable_chunked_prefill: bool = False
     enable_prefix_caching: bool = False
+    # False: samples and beams get copies instead of shared blocks (a baseline for measuring sharing).
+    enable_block_sharing: bool = True
     attention_backend: str = "reference"
     seed: int = 0
     watermark: float = 0.01
@@ -99,7 +101,8 @@ class LLMEngine:
                 raise ValueError("not enough memory for a KV cache: give num_kv_blocks or more memory")
         num_cpu_blocks = min(cap, int(args.swap_space * (1 << 30)) // (mc.kv_bytes_per_token * bs))
         self.block_manager = BlockManager(bs, num_gpu_blocks, num_cpu_blocks, watermark=args.watermark,
-                                          enable_prefix_caching=args.enable_prefix_caching)
+                                          enable_prefix_caching=args.enable_prefix_caching,
+                                          enable_block_sharing=args.enable_block_sharing)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
         self.runner = ModelRunner(mc, params, bs, num_gpu_blocks, num_cpu_blocks, args.attention_backend, args.seed)
         logger.info("paged-jax engine: model=%s family=%s dtype=%s blocks=%d x %d tokens (host %d), max_model_len=%d",
@@ -110,6 +113,7 @@ class LLMEngine:
         self._prefix_requests: dict[str, Optional[int]] = {}  # add_prefix requests -> pin handle once done
         self.num_generated_tokens = 0
         self.num_steps = 0
+        self._fork_copies: list[tuple[int, int]] = []
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -218,7 +222,7 @@ class LLMEngine:
             # The first sample continues ``seq``; extra ones (best_of > 1) fork from the prompt.
             for j, smp in enumerate(samples[1:], start=1):
                 child = seq.fork(next(self._seq_counter), sample_index=j)
-                self.block_manager.fork(seq, child)
+                self._fork_copies += self.block_manager.fork(seq, child)
                 group.add(child)
                 self._append(child, smp, group)
             self._append(seq, samples[0], group)
@@ -227,6 +231,9 @@ class LLMEngine:
                 self.block_manager.mark_blocks_computed(row.seq)
         for rid, rows in beam_rows.items():
             self._beam_step(touched[rid], rows)
+        if self._fork_copies:  # without block sharing, forked sequences get copies of their parents' blocks
+            self.runner.execute(SchedulerOutput(blocks_to_copy=self._fork_copies))
+            self._fork_copies = []
         for group in touched.values():
             for seq in group.get_seqs():
                 if seq.is_finished() and self.block_manager.has_seq(seq):
@@ -289,7 +296,7 @@ class LLMEngine:
             parent = beams[c.parent]
             if c.parent in taken:
                 child = parent.fork(next(self._seq_counter))
-                self.block_manager.fork(parent, child)
+                self._fork_copies += self.block_manager.fork(parent, child)
                 group.add(child)
                 plan.append((child, c))
             else:

@@ -156,6 +156,24 @@ def test_append_slot_copy_on_write_after_fork():
     assert bm.get_block_table(child)[-1] == shared_last
 
 
+def test_fork_without_sharing_copies_every_block():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=0, enable_block_sharing=False)
+    group = admit(bm, [1, 2, 3, 4, 5])
+    parent = group.seqs[0]
+    child = parent.fork(next(_ids))
+    copies = bm.fork(parent, child)
+    group.add(child)
+    assert [src for src, _ in copies] == bm.get_block_table(parent)
+    assert [dst for _, dst in copies] == bm.get_block_table(child)
+    assert not set(bm.get_block_table(parent)) & set(bm.get_block_table(child))
+    assert refs(bm, parent) == [1, 1] and refs(bm, child) == [1, 1]
+    assert grow(bm, parent, 6) is None  # nothing shared: no copy-on-write
+    bm.check_invariants()
+    with pytest.raises(ValueError, match="needs enable_block_sharing"):
+        BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=0, enable_prefix_caching=True,
+                     enable_block_sharing=False)
+
+
 def test_copy_on_write_then_growth_past_the_block():
     bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=0)
     group = admit(bm, [1, 2, 3], n=2)

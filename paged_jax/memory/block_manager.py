@@ -83,13 +83,18 @@ class BlockManager:
     """
 
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, watermark: float = 0.01,
-                 enable_prefix_caching: bool = False) -> None:
+                 enable_prefix_caching: bool = False, enable_block_sharing: bool = True) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
+        if enable_prefix_caching and not enable_block_sharing:
+            raise ValueError("enable_prefix_caching=True needs enable_block_sharing=True")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # False: a baseline that copies instead of sharing (fork copies every block; a request's
+        # samples or beams never share). For measuring what sharing saves.
+        self.enable_block_sharing = enable_block_sharing
         self.gpu_allocator = BlockAllocator(Device.GPU, num_gpu_blocks, reserve_null_block=True)
         self.cpu_allocator = BlockAllocator(Device.CPU, num_cpu_blocks)
         self._allocators = {Device.GPU: self.gpu_allocator, Device.CPU: self.cpu_allocator}
@@ -128,15 +133,15 @@ class BlockManager:
         done: list[tuple[list[int], BlockTable, int]] = []  # tokens, table, computed tokens
         for seq in seqs:
             tokens = seq.get_token_ids()
-            same = next((d for d in done if d[0] == tokens), None)
+            same = next((d for d in done if d[0] == tokens), None) if self.enable_block_sharing else None
             if same is not None:
                 blocks, hashes, computed = same[1].blocks, same[1].block_hashes, same[2]
                 for block in blocks:
                     self.gpu_allocator.incref(block)
             else:
                 hits, hashes = self._match_prefix(tokens) if use_prefix_cache else ([], [])
-                num_shared, sibling = max(((self._common_full_blocks(tokens, t), tab) for t, tab, _ in done),
-                                          key=lambda x: x[0], default=(0, None))
+                num_shared, sibling = max(((self._common_full_blocks(tokens, t), tab) for t, tab, _ in done
+                                           if self.enable_block_sharing), key=lambda x: x[0], default=(0, None))
                 for block in hits:
                     self._take_cached(block)
                 blocks = list(hits)
@@ -181,18 +186,29 @@ class BlockManager:
         table.num_tokens = num_tokens
         return copy
 
-    def fork(self, parent_seq: Sequence, child_seq: Sequence) -> None:
+    def fork(self, parent_seq: Sequence, child_seq: Sequence) -> list[tuple[int, int]]:
         """The child shares all of the parent's blocks (each gains a reference).
         Fork after sampling, when the parent's blocks hold only computed tokens:
-        copy-on-write protects the blocks that receive new tokens, not pending ones."""
+        copy-on-write protects the blocks that receive new tokens, not pending ones.
+        Returns the (src, dst) device copies to run before the next step: none when
+        sharing, every block when ``enable_block_sharing`` is False."""
         parent = self._table(parent_seq)
         if child_seq.seq_id in self._tables:
             raise ValueError(f"sequence {child_seq.seq_id} already has a block table")
         allocator = self._allocators[parent.device]
-        for block in parent.blocks:
-            allocator.incref(block)
-        self._tables[child_seq.seq_id] = BlockTable(parent.device, list(parent.blocks), parent.num_tokens,
-                                                    list(parent.block_hashes))
+        if self.enable_block_sharing:
+            blocks, copies = list(parent.blocks), []
+            for block in parent.blocks:
+                allocator.incref(block)
+        else:
+            if parent.device is not Device.GPU:
+                raise ValueError(f"sequence {parent_seq.seq_id} is swapped out: fork it on the device")
+            self._ensure_free(Device.GPU, len(parent.blocks), "fork")
+            blocks = [self._new_block(Device.GPU) for _ in parent.blocks]
+            copies = list(zip(parent.blocks, blocks))
+        self._tables[child_seq.seq_id] = BlockTable(parent.device, blocks, parent.num_tokens,
+                                                    list(parent.block_hashes) if self.enable_block_sharing else [])
+        return copies
 
     def free(self, seq: Sequence) -> None:
         """Drop the sequence's table (a no-op if it has none). Blocks losing their last
@@ -394,11 +410,11 @@ class BlockManager:
         need, seen = 0, []
         for seq in seqs:
             tokens = seq.get_token_ids()
-            if any(t == tokens for t in seen):
+            if self.enable_block_sharing and any(t == tokens for t in seen):
                 continue
             num_blocks = self._blocks_for(len(tokens))
             hits = self._match_prefix(tokens)[0] if use_cache else []
-            shared = max((self._common_full_blocks(tokens, t) for t in seen), default=0)
+            shared = max((self._common_full_blocks(tokens, t) for t in seen if self.enable_block_sharing), default=0)
             need += num_blocks - shared if shared > len(hits) else self._num_blocks_to_take(num_blocks, hits)
             seen.append(tokens)
         return need
