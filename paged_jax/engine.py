@@ -114,6 +114,7 @@ class LLMEngine:
         self.num_generated_tokens = 0
         self.num_steps = 0
         self._fork_copies: list[tuple[int, int]] = []
+        self._pending_outputs: list[RequestOutput] = []
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -173,7 +174,8 @@ class LLMEngine:
         self._prefix_requests[rid] = None
         group = self._groups[rid]
         while not group.is_finished():
-            self.step()
+            # Other requests' outputs from these steps are handed out by the next step().
+            self._pending_outputs += self.step()
         handle = self._prefix_requests.pop(rid)
         if handle is None:
             raise ValueError(f"prefix could not be computed: {group.finish_message or 'it was not run'}")
@@ -191,7 +193,7 @@ class LLMEngine:
                 self._prompt_logprobs.pop(rid, None)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_seqs()
+        return bool(self._pending_outputs) or self.scheduler.has_unfinished_seqs()
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_seq_groups()
@@ -199,6 +201,7 @@ class LLMEngine:
     # ---- the loop ------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """One iteration. Returns the outputs of the requests it touched (finished ones last time)."""
+        pending, self._pending_outputs = self._pending_outputs, []
         out = self.scheduler.schedule()
         self.num_steps += 1
         result = self.runner.execute(out, self.eos_token_id)
@@ -241,7 +244,7 @@ class LLMEngine:
                         self._prefix_requests[group.request_id] = self.block_manager.pin_prefix(seq)
                     self.scheduler.free_seq(seq)
         self.scheduler.free_finished_seq_groups()
-        outputs = []
+        outputs = [o for o in pending if o.request_id not in touched]
         for rid, group in touched.items():
             if rid not in self._prefix_requests:  # add_prefix's own requests are internal
                 outputs.append(self._request_output(group))

@@ -65,13 +65,19 @@ class LLM:
                 raise ValueError(f"got {len(params_list)} sampling_params for {num} prompts")
         engine = self.llm_engine
         ids = []
-        for i in range(num):
-            rid = str(self._counter)
-            self._counter += 1
-            engine.add_request(rid, prompts[i] if prompts is not None else None, params_list[i],
-                               prompt_token_ids[i] if prompt_token_ids is not None else None)
-            ids.append(rid)
-        return self._run(ids, use_tqdm)
+        try:
+            for i in range(num):
+                rid = str(self._counter)
+                self._counter += 1
+                engine.add_request(rid, prompts[i] if prompts is not None else None, params_list[i],
+                                   prompt_token_ids[i] if prompt_token_ids is not None else None)
+                ids.append(rid)
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            # A bad prompt, an error in a step or Ctrl-C: drop this call's requests and free their
+            # blocks, so that the engine is clean for the next call.
+            engine.abort_request(ids)
+            raise
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.llm_engine

@@ -65,3 +65,31 @@ def test_add_prefix_that_cannot_run_raises(tiny_llama_dir):
         llm.add_prefix(prompt_token_ids=list(range(3, 23)))
     assert not llm.llm_engine.has_unfinished_requests()
     assert_all_free(llm)
+
+
+def test_failed_generate_leaves_no_request_behind(tiny_llama_dir):
+    """A bad request in the middle of a batch raises, and the requests queued before it are
+    dropped with their blocks: the next call runs on a clean engine."""
+    llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=64)
+    good = SamplingParams(temperature=0, max_tokens=4)
+    with pytest.raises(ValueError, match="outside"):
+        llm.generate(prompt_token_ids=[[5, 6, 7], [8, 9], [10, 10 ** 9]], sampling_params=good, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()
+    assert_all_free(llm)
+    out = llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=good, use_tqdm=False)
+    assert len(out) == 1 and len(out[0].outputs[0].token_ids) == 4
+
+
+def test_add_prefix_while_requests_run_loses_no_output(tiny_llama_dir):
+    llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=64, block_size=4)
+    engine = llm.llm_engine
+    engine.add_request("a", None, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True),
+                       prompt_token_ids=[5, 6, 7])
+    engine.step()
+    handle = engine.add_prefix(prompt_token_ids=list(range(20, 41)))  # "a" finishes during these steps
+    finals = []
+    while engine.has_unfinished_requests():
+        finals += [o for o in engine.step() if o.finished]
+    assert [o.request_id for o in finals] == ["a"] and len(finals[0].outputs[0].token_ids) == 2
+    llm.release_prefix(handle)
+    assert_all_free(llm)
