@@ -415,3 +415,39 @@ def test_engine_pallas_interpret_matches_reference_greedy(tiny_llama_dir):
         got[backend] = [o.outputs[0].token_ids for o in outs]
     assert got["pallas-interpret"] == got["reference"]
     assert all(len(t) == 5 for t in got["reference"])
+
+
+# ---- experiments/bench_kernel.py ---------------------------------------------------------------------
+
+
+def _bench_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "experiments" / "bench_kernel.py"
+    spec = importlib.util.spec_from_file_location("bench_kernel", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_kernel_runs_small_on_cpu(capsys):
+    """The benchmark checks its variants agree before timing them, and prints one row per setting."""
+    bench = _bench_module()
+    assert bench.main(["--batch", "2", "--context", "16", "40", "--num-heads", "4", "--head-dim", "16",
+                       "--iters", "1", "--repeats", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines() if not line.startswith(("#", "batch"))]
+    assert [r[:2] for r in rows] == [["2", "16"], ["2", "40"]]
+    assert all(float(x) > 0 for r in rows for x in r[2:])
+
+
+def test_bench_kernel_gpu_variants_lower_for_cuda():
+    """The GPU columns (our paged kernel, JAX's contiguous Pallas kernel) lower for CUDA in Fig. 18a's shapes."""
+    bench = _bench_module()
+    fns = bench.variants(on_gpu=True, scale=128 ** -0.5)
+    for L in (64, 256):
+        inputs = {k: jax.ShapeDtypeStruct(x.shape, x.dtype)
+                  for k, x in bench.make_inputs(2, L, 8, 8, 128, 16, "float16").items()}
+        for name in ("paged Pallas kernel", "contiguous Pallas kernel"):
+            fn, names = fns[name]
+            assert "__gpu$xla.gpu.triton" in lower_for_cuda(fn, *[inputs[a] for a in names]), name
