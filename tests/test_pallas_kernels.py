@@ -317,11 +317,11 @@ def test_decode_lowers_for_cuda_with_triton(dtype, D, block_size, partition_size
     assert "__gpu$xla.gpu.triton" in lower_for_cuda(f, *args)
 
 
-@pytest.mark.parametrize("dtype,D,block_size,G,Q", [
-    ("float32", 64, 16, 4, 32), ("bfloat16", 128, 8, 1, 64), ("float16", 128, 32, 8, 16), ("bfloat16", 64, 16, 1, 2),
-    ("float16", 64, 1, 2, 128)])
-def test_prefill_lowers_for_cuda_with_triton(dtype, D, block_size, G, Q):
-    S, KVH, nb, mb = 4, 4, 64, 16
+@pytest.mark.parametrize("dtype,D,block_size,G,Q,mb", [
+    ("float32", 64, 16, 4, 32, 16), ("bfloat16", 128, 8, 1, 64, 16), ("float16", 128, 32, 8, 16, 16),
+    ("bfloat16", 64, 16, 1, 2, 16), ("float16", 64, 1, 2, 128, 16), ("bfloat16", 128, 16, 3, 40, 13)])
+def test_prefill_lowers_for_cuda_with_triton(dtype, D, block_size, G, Q, mb):
+    S, KVH, nb = 4, 4, 64
     args = (sds((S, Q, KVH * G, D), dtype), sds((nb, block_size, KVH, D), dtype),
             sds((nb, block_size, KVH, D), dtype), sds((S, mb), jnp.int32), sds((S,), jnp.int32),
             sds((S,), jnp.int32), 0.125)
