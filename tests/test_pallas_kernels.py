@@ -233,6 +233,26 @@ def test_prefill_random_lengths_and_tables(data, shape, stale):
     check_prefill(case, qlens, data.draw(st.sampled_from([D ** -0.5, 0.05])), "float32")
 
 
+def test_prefill_random_shapes():
+    """A seeded sweep over shapes too (dtypes, block sizes, head sizes, group sizes, query widths)."""
+    rng = np.random.default_rng(1)
+    for trial in range(3):
+        bs = int(rng.choice([4, 8, 16, 32]))
+        D = int(rng.choice([64, 128]))
+        KVH = int(rng.choice([1, 2]))
+        H = KVH * int(rng.choice([1, 2, 3, 4]))
+        mb = int(rng.integers(1, 5))
+        S = int(rng.integers(1, 4))
+        Q = int(rng.integers(2, mb * bs + 1))
+        lens = [int(x) for x in rng.integers(1, mb * bs + 1, size=S)]
+        lens[0] = mb * bs
+        qlens = [int(rng.integers(1, min(n, Q) + 1)) for n in lens]
+        dtype = ["float32", "bfloat16", "float16"][trial]
+        case = make_case(100 + trial, lens=lens, H=H, KVH=KVH, D=D, block_size=bs, max_blocks=mb,
+                         num_blocks=S * mb + 2, Q=Q, dtype=dtype, stale_tables=bool(trial % 2))
+        check_prefill(case, qlens, D ** -0.5, dtype)
+
+
 def test_prefill_rejects_bad_shapes():
     q, k, v, tables, lens = make_case(0, lens=[3], H=2, KVH=1, D=48, block_size=8, max_blocks=2, num_blocks=4, Q=4)
     qlens = np.array([3], np.int32)
