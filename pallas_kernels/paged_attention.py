@@ -35,9 +35,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
-# No module-level import of paged_jax.attention: its __init__ imports this module to
-# register the backend, and either may be imported first.
-
 # Finite "minus infinity": used both as the initial running max and as the value of
 # masked logits, so exp(m - max) is 0 and never NaN (also for rows with no tokens).
 _NEG = -1e30
@@ -50,6 +47,21 @@ def _is_pow2(n: int) -> bool:
 
 def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
+
+
+def check_shapes(heads_dim, k_cache, v_cache, interpret: bool) -> None:
+    """Raise ValueError naming the bad value: ``heads_dim`` is q's (num_heads, head_dim).
+    The Triton backend needs power-of-two tensor shapes; interpret mode takes any."""
+    H, D = heads_dim
+    if k_cache.shape != v_cache.shape or k_cache.ndim != 4 or k_cache.shape[3] != D:
+        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must both be "
+                         f"[num_blocks, block_size, num_kv_heads, head_dim={D}]")
+    if H % k_cache.shape[2]:
+        raise ValueError(f"num_heads={H} must be a multiple of num_kv_heads={k_cache.shape[2]}")
+    block_size = k_cache.shape[1]
+    if not interpret and not (_is_pow2(D) and D >= _MIN_DOT and _is_pow2(block_size)):
+        raise ValueError(f"head_dim={D} must be a power of 2 >= {_MIN_DOT} and block_size={block_size} a power "
+                         "of 2 for the Triton backend (interpret mode takes any)")
 
 
 def _decode_kernel(scale_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
@@ -129,17 +141,11 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     Padded rows (context_len 0) return zeros.
     """
     S, H, D = q.shape
-    num_blocks, block_size, KVH, Dk = k_cache.shape
+    num_blocks, block_size, KVH, _ = k_cache.shape
     max_blocks = block_tables.shape[1]
-    if k_cache.shape != v_cache.shape or Dk != D:
-        raise ValueError(f"cache shapes {k_cache.shape}, {v_cache.shape} do not match q {q.shape}")
-    if H % KVH:
-        raise ValueError(f"num_heads={H} must be a multiple of num_kv_heads={KVH}")
-    if not (_is_pow2(D) and D >= _MIN_DOT and _is_pow2(block_size)):
-        raise ValueError(f"head_dim ({D}) must be a power of 2 >= {_MIN_DOT} and block_size ({block_size}) a "
-                         "power of 2 (Triton tensor shapes)")
     if interpret is None:
         interpret = jax.default_backend() == "cpu"
+    check_shapes((H, D), k_cache, v_cache, interpret)
     G = H // KVH
     Gp = max(_MIN_DOT, _next_pow2(G))
     ppc, ppp, P = _plan(block_size, max_blocks, partition_size, chunk_tokens)
@@ -191,36 +197,3 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     return out[:, :, :G].reshape(S, H, D).astype(q.dtype)
 
 
-def _auto_partition(S: int, H: int, max_context: int, partition_size: int = 512) -> int | None:
-    """vLLM's rule: split only long contexts, and only when the batch alone cannot fill the GPU."""
-    if max_context <= partition_size or S * H > 512:
-        return None
-    return partition_size
-
-
-def paged_attention_pallas(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale):
-    """Attention backend "pallas": same signature and result as ``paged_attention_reference``.
-
-    Decode (``Q == 1``, a static shape) runs :func:`paged_decode_attention`, splitting the
-    context into 512-token partitions for long contexts and small batches. Prefill or
-    mixed steps (``Q > 1``) fall back to ``paged_attention_reference`` for now: a
-    prefill kernel is a later slice.
-    """
-    S, Q, H, D = q.shape
-    if Q != 1:
-        from paged_jax.attention.reference import paged_attention_reference
-
-        return paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale)
-    block_size = k_cache.shape[1]
-    part = _auto_partition(S, H, block_tables.shape[1] * block_size)
-    if part is not None and part % block_size:
-        part = None
-    out = paged_decode_attention(q[:, 0], k_cache, v_cache, block_tables, context_lens, scale, partition_size=part)
-    return out[:, None]
-
-
-def register() -> None:
-    """Make ``attention_backend="pallas"`` available."""
-    from paged_jax.attention import register_backend
-
-    register_backend("pallas", paged_attention_pallas)

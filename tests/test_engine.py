@@ -138,10 +138,10 @@ def test_prompt_that_never_fits_is_rejected(tiny_llama_dir):
 
 
 def test_pallas_backend_through_engine_matches_hf(hf_model_dir):
-    """Decode steps run the Pallas kernel (interpret mode on the CPU); tokens equal HF's."""
+    """Both Pallas kernels (in interpret mode, so it also runs on the CPU); tokens equal HF's."""
     path = hf_model_dir("llama_gqa")
     prompts = make_prompts(512, n=6, hi=30)
-    llm, got = run_engine(path, prompts, max_tokens=8, num_kv_blocks=64, attention_backend="pallas")
+    llm, got = run_engine(path, prompts, max_tokens=8, num_kv_blocks=64, attention_backend="pallas-interpret")
     assert got == hf_greedy(path, prompts, max_tokens=8)
     assert_all_free(llm)
 

@@ -1,30 +1,46 @@
 """Attention backends: one function signature, chosen by name.
 
 A backend is ``fn(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale) -> out``
-with the shapes of :func:`paged_attention_reference`. Adding a variant is one
-file: write the function and ``register_backend("name", fn)``.
+with the shapes of :func:`paged_attention_reference`. Built in: ``"reference"`` (plain
+jnp, the definition), ``"pallas"`` (the Pallas kernels compiled for a CUDA GPU; refused
+elsewhere) and ``"pallas-interpret"`` (the same kernels in interpret mode, any platform).
+Adding a variant is one file: write the function (usually the reference with a
+``score_mod`` or ``mask_mod`` hook, see ``paged_jax/attention/variants/``) and
+``register_backend("name", fn)``.
 """
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import jax.numpy as jnp
 
 from paged_jax.attention.metadata import AttentionMetadata
 from paged_jax.attention.reference import paged_attention_reference
 
-_BACKENDS: dict[str, Callable] = {"reference": paged_attention_reference}
+_BACKENDS: dict[str, tuple[Callable, Optional[Callable[[], None]]]] = {"reference": (paged_attention_reference, None)}
 
 
-def register_backend(name: str, fn: Callable) -> None:
-    _BACKENDS[name] = fn
+def register_backend(name: str, fn: Callable, check: Optional[Callable[[], None]] = None) -> None:
+    """Make ``fn`` available as ``attention_backend=name`` (replacing any backend of that name).
+
+    ``check``, if given, is called by :func:`get_backend` (when an engine starts) and
+    raises ValueError with a clear message when the backend cannot run here.
+    """
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"backend name must be a non-empty string, got {name!r}")
+    if not callable(fn):
+        raise ValueError(f"backend {name!r} must be a callable, got {fn!r}")
+    _BACKENDS[name] = (fn, check)
 
 
 def get_backend(name: str) -> Callable:
     if name not in _BACKENDS:
         raise ValueError(f"attention_backend must be one of {sorted(_BACKENDS)}, got {name!r}")
-    return _BACKENDS[name]
+    fn, check = _BACKENDS[name]
+    if check is not None:
+        check()
+    return fn
 
 
 def available_backends() -> list[str]:
@@ -57,6 +73,7 @@ def paged_attention_layer(q, k, v, kv_cache, meta: AttentionMetadata, scale: flo
 
 __all__ = ["AttentionMetadata", "paged_attention_reference", "register_backend", "get_backend",
            "available_backends", "write_kv", "paged_attention_layer"]
-from pallas_kernels.paged_attention import register as _register_pallas  # noqa: E402
+from pallas_kernels.backend import register as _register_pallas  # noqa: E402
 
 _register_pallas()
+import paged_jax.attention.variants  # noqa: E402,F401  (registers "soft-cap" and "sliding-window")

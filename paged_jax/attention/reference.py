@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from typing import Callable, Optional
+
 import jax
 import jax.numpy as jnp
 
+# Hooks for variants (flex-attention style), applied to float32 scores after scaling:
+#   score_mod(scores [S, KVH, G, Q, L], q_pos [S, 1, 1, Q, 1], k_pos [1, 1, 1, 1, L]) -> scores
+#   mask_mod(q_pos, k_pos) -> bool, broadcastable to scores; True where a key may be seen
+#   (in addition to the causal mask and the sequence length, which always apply).
+ScoreMod = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
+MaskMod = Callable[[jax.Array, jax.Array], jax.Array]
 
-def paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale):
+
+def paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, *,
+                              score_mod: Optional[ScoreMod] = None, mask_mod: Optional[MaskMod] = None):
     """Causal attention of each sequence's new queries over its paged K/V.
 
     q:            [S, Q, num_heads, head_dim], query ``i`` of sequence ``s`` sits at
@@ -15,6 +25,7 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, q
     k_cache/v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
     block_tables: int32 [S, max_blocks]
     context_lens, query_lens: int32 [S]
+    score_mod, mask_mod: optional hooks (see above) for attention variants.
     Returns [S, Q, num_heads, head_dim] in q's dtype; softmax in float32.
     """
     S, Q, H, D = q.shape
@@ -25,10 +36,14 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, q
     v = v_cache[block_tables].reshape(S, L, KVH, D)
     qg = q.reshape(S, Q, KVH, G, D)
     scores = jnp.einsum("sqkgd,slkd->skgql", qg, k, preferred_element_type=jnp.float32) * scale
-    q_pos = (context_lens - query_lens)[:, None] + jnp.arange(Q)[None, :]  # [S, Q]
-    k_pos = jnp.arange(L)
-    mask = (k_pos[None, None, :] <= q_pos[:, :, None]) & (k_pos[None, None, :] < context_lens[:, None, None])
-    scores = jnp.where(mask[:, None, None, :, :], scores, -1e30)
+    q_pos = ((context_lens - query_lens)[:, None] + jnp.arange(Q)[None, :])[:, None, None, :, None]
+    k_pos = jnp.arange(L)[None, None, None, None, :]
+    if score_mod is not None:
+        scores = score_mod(scores, q_pos, k_pos)
+    mask = (k_pos <= q_pos) & (k_pos < context_lens[:, None, None, None, None])
+    if mask_mod is not None:
+        mask = mask & mask_mod(q_pos, k_pos)
+    scores = jnp.where(mask, scores, -1e30)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("skgql,slkd->sqkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(S, Q, H, D).astype(q.dtype)

@@ -1,0 +1,158 @@
+"""Paged against contiguous decode attention: the setting of the paper's Fig. 18a.
+
+One decode step of one attention layer (default: LLaMA/OPT-13B's 40 heads of 128), batch
+8 and 32, every sequence at context 64, 128 and 256, block size 16. The paged K/V of each
+sequence live in randomly permuted blocks of a pool and are read through the block table;
+the contiguous K/V are one ``[batch, context, kv_heads, head_dim]`` array per layer (what
+FasterTransformer keeps). Prints each variant's time per call (median over repeats, the
+variants interleaved so machine noise hits them alike) and ``paged / contiguous``. The paper
+measures its paged CUDA kernel 20-26 % slower than FasterTransformer's.
+
+- On a GPU: the Pallas paged decode kernel (``"pallas"``, Triton) against JAX's own Pallas
+  contiguous decode kernel (``jax.experimental.pallas.ops.gpu.decode_attention.gqa``), and
+  the jnp reference paged path against dense XLA attention.
+- On the CPU: the jnp reference paged path (a gather through the block table, then attention)
+  against dense XLA attention over the contiguous cache. The Pallas kernels run only in
+  interpret mode there, which says nothing about their speed.
+
+    python experiments/bench_kernel.py [--batch 8 32] [--context 64 128 256] [--dtype float32]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import statistics
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from paged_jax.attention.reference import paged_attention_reference
+
+
+def contiguous_attention(q, k, v, lens, scale):
+    """Dense decode attention: q [S, H, D] over k, v [S, L, KVH, D], keys < lens[s]."""
+    S, H, D = q.shape
+    KVH = k.shape[2]
+    qg = q.reshape(S, KVH, H // KVH, D)
+    s = jnp.einsum("skgd,slkd->skgl", qg, k, preferred_element_type=jnp.float32) * scale
+    s = jnp.where(jnp.arange(k.shape[1])[None, None, None, :] < lens[:, None, None, None], s, -1e30)
+    p = jax.nn.softmax(s, axis=-1)
+    out = jnp.einsum("skgl,slkd->skgd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(S, H, D).astype(q.dtype)
+
+
+def paged_reference(q, k_pool, v_pool, tables, lens, scale):
+    out = paged_attention_reference(q[:, None], k_pool, v_pool, tables, lens, jnp.ones_like(lens), scale)
+    return out[:, 0]
+
+
+def make_inputs(S, L, H, KVH, D, block_size, dtype, seed=0):
+    """Contiguous K/V and the same tokens scattered into a paged pool (block 0: the null block)."""
+    rng = np.random.default_rng(seed)
+    mb = -(-L // block_size)
+    k = rng.normal(size=(S, mb * block_size, KVH, D)).astype(np.float32)
+    v = rng.normal(size=(S, mb * block_size, KVH, D)).astype(np.float32)
+    q = rng.normal(size=(S, H, D)).astype(np.float32)
+    tables = (1 + rng.permutation(S * mb)).reshape(S, mb).astype(np.int32)
+    k_pool = np.zeros((S * mb + 1, block_size, KVH, D), np.float32)
+    v_pool = np.zeros_like(k_pool)
+    k_pool[tables.reshape(-1)] = k.reshape(S * mb, block_size, KVH, D)
+    v_pool[tables.reshape(-1)] = v.reshape(S * mb, block_size, KVH, D)
+    dt = jnp.dtype(dtype)
+    put = lambda x: jnp.asarray(x, dt)
+    return dict(q=put(q), k=put(k[:, :L]), v=put(v[:, :L]), k_pool=put(k_pool), v_pool=put(v_pool),
+                tables=jnp.asarray(tables), lens=jnp.full((S,), L, jnp.int32))
+
+
+def variants(on_gpu: bool, scale: float):
+    """name -> (jitted fn, which inputs); paired as (paged, contiguous) rows of the table."""
+    v = {
+        "paged jnp reference": (jax.jit(functools.partial(paged_reference, scale=scale)),
+                                ("q", "k_pool", "v_pool", "tables", "lens")),
+        "contiguous XLA dense": (jax.jit(functools.partial(contiguous_attention, scale=scale)),
+                                 ("q", "k", "v", "lens")),
+    }
+    if on_gpu:
+        from jax.experimental.pallas.ops.gpu import decode_attention
+
+        from pallas_kernels.backend import paged_attention_pallas
+
+        def pallas_paged(q, k_pool, v_pool, tables, lens):
+            return paged_attention_pallas(q[:, None], k_pool, v_pool, tables, lens, jnp.ones_like(lens), scale)[:, 0]
+
+        def pallas_contiguous(q, k, v, lens):
+            L = k.shape[1]
+            splits = max(1, min(16, L // 16))
+            return decode_attention.gqa(q, k, v, kv_seq_len=lens, sm_scale=scale, k_splits=splits,
+                                        block_k=min(128, L // splits))
+
+        v["paged Pallas kernel"] = (jax.jit(pallas_paged), ("q", "k_pool", "v_pool", "tables", "lens"))
+        v["contiguous Pallas kernel"] = (jax.jit(pallas_contiguous), ("q", "k", "v", "lens"))
+    return v
+
+
+def bench(fns, inputs, iters: int, repeats: int) -> dict[str, float]:
+    """Median microseconds per call of each variant, interleaved across repeats."""
+    args = {name: [inputs[a] for a in names] for name, (_, names) in fns.items()}
+    for name, (fn, _) in fns.items():
+        jax.block_until_ready(fn(*args[name]))  # compile
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, (fn, _) in fns.items():
+            t0 = time.perf_counter()
+            for _ in range(iters):
+                out = fn(*args[name])
+            jax.block_until_ready(out)
+            times[name].append((time.perf_counter() - t0) / iters * 1e6)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def check_equal(fns, inputs, dtype):
+    outs = [np.asarray(fn(*[inputs[a] for a in names]).astype(jnp.float32)) for fn, names in fns.values()]
+    tol = 1e-4 if dtype == "float32" else 3e-2
+    for o in outs[1:]:
+        np.testing.assert_allclose(o, outs[0], atol=tol, rtol=tol)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch", type=int, nargs="+", default=[8, 32])
+    p.add_argument("--context", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--num-heads", type=int, default=40)
+    p.add_argument("--num-kv-heads", type=int, default=None, help="default: num_heads (MHA, as in the paper)")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--dtype", default=None, help="default: float16 on a GPU, float32 on the CPU")
+    p.add_argument("--iters", type=int, default=None, help="calls per timing (default: 100 GPU, 10 CPU)")
+    p.add_argument("--repeats", type=int, default=5)
+    a = p.parse_args(argv)
+    on_gpu = jax.default_backend() == "gpu"
+    dtype = a.dtype or ("float16" if on_gpu else "float32")
+    iters = a.iters or (100 if on_gpu else 10)
+    H, D = a.num_heads, a.head_dim
+    KVH = a.num_kv_heads or H
+    fns = variants(on_gpu, D ** -0.5)
+    names = list(fns)
+    print(f"# decode attention, one layer: {H} heads ({KVH} KV heads) x {D}, block size {a.block_size}, {dtype}, "
+          f"{jax.devices()[0].device_kind} ({jax.default_backend()}); median of {a.repeats} x {iters} calls, us")
+    header = "batch context " + " ".join(f"{n:>24s}" for n in names)
+    pairs = [(names[i], names[i + 1]) for i in range(0, len(names), 2)]
+    header += " " + " ".join(f"{'ratio ' + pn.split()[1]:>18s}" for pn, _ in pairs)
+    print(header)
+    for S in a.batch:
+        for L in a.context:
+            inputs = make_inputs(S, L, H, KVH, D, a.block_size, dtype)
+            check_equal(fns, inputs, dtype)
+            t = bench(fns, inputs, iters, a.repeats)
+            row = f"{S:5d} {L:7d} " + " ".join(f"{t[n]:24.1f}" for n in names)
+            row += " " + " ".join(f"{t[pn] / t[cn]:18.2f}" for pn, cn in pairs)
+            print(row, flush=True)
+    print("# ratio = paged / contiguous time (the paper: its paged kernel is 1.20-1.26x FasterTransformer's)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
