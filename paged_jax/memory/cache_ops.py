@@ -34,10 +34,13 @@ MIN_BUCKET = 8
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                       dtype=jnp.float32) -> KVCaches:
-    """Zeroed device KV cache, ``num_blocks`` physical blocks (null block included)."""
+                       dtype=jnp.float32, sharding=None) -> KVCaches:
+    """Zeroed device KV cache, ``num_blocks`` physical blocks (null block included). With a
+    ``sharding`` (tensor parallelism: split over KV heads) each device allocates only its shard."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers)]
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding) if sharding else (
+        lambda: jnp.zeros(shape, dtype))
+    return [(zeros(), zeros()) for _ in range(num_layers)]
 
 
 def allocate_host_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
