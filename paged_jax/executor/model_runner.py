@@ -145,8 +145,6 @@ class ModelRunner:
         if out.blocks_to_copy:
             src, dst = zip(*out.blocks_to_copy)
             self.kv_caches = cache_ops.copy_blocks(self.kv_caches, list(src), list(dst))
-        if self.kv_sharding is not None and (out.blocks_to_swap_in or out.blocks_to_copy):
-            self.kv_caches = jax.device_put(self.kv_caches, self.kv_sharding)  # a no-op when already split so
         t1 = time.perf_counter()
         self.timings["cache_ops"] += t1 - t0
         result = StepResult()

@@ -1,0 +1,152 @@
+"""Tensor parallelism: tp=2 and tp=4 give tp=1's greedy tokens, and the arrays are really split.
+
+The engines run in a subprocess with 4 forced CPU devices (``tests/tp_worker.py``), so
+this session keeps its single device. tp=1 is the oracle here (it is itself checked
+against Hugging Face in test_engine.py); the runs with tp > 1 use a pool small enough
+that requests are preempted (swap for tp=2, recompute for tp=4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from paged_jax.engine import EngineArgs
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [np.random.default_rng(i).integers(3, 512, size=n).tolist() for i, n in enumerate(range(3, 48, 4))]
+MAX_TOKENS = 16
+AMPLE = dict(num_kv_blocks=128, block_size=8)
+TIGHT = dict(num_kv_blocks=16, block_size=8)  # 15 usable blocks of 8 tokens for 12 prompts of up to 59 tokens
+
+
+def run_worker(tmp_path, jobs, devices=4, timeout=900):
+    spec, out = tmp_path / "jobs.json", tmp_path / "out.json"
+    spec.write_text(json.dumps({"devices": devices, "jobs": jobs}))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-m", "tests.tp_worker", str(spec), str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def job(model, tp, **kw):
+    return dict(model=str(model), tp=tp, prompts=PROMPTS, max_tokens=MAX_TOKENS, **kw)
+
+
+def assert_same_outputs(got, want, what):
+    for i, (g, w) in enumerate(zip(got["tokens"], want["tokens"])):
+        assert g == w, f"{what}, prompt {i}: {g} != {w}"
+    np.testing.assert_allclose(got["cum_logprobs"], want["cum_logprobs"], rtol=1e-4, atol=1e-4)
+    assert got["all_free"]
+
+
+@pytest.fixture(scope="module")
+def tp_runs(hf_model_dir, tmp_path_factory):
+    """One worker process for all default-suite runs (JAX starts once)."""
+    from paged_jax.cli import main
+
+    ckpt = tmp_path_factory.mktemp("ckpt") / "llama_gqa"
+    assert main(["convert", "--model", str(hf_model_dir("llama_gqa")), "--out", str(ckpt)]) == 0
+    jobs = {}
+    for variant in ("llama_gqa", "opt_pre"):
+        path = hf_model_dir(variant)
+        jobs[(variant, 1)] = job(path, 1, **AMPLE)
+        jobs[(variant, 2)] = job(path, 2, preemption_mode="swap", **TIGHT)
+        jobs[(variant, 4)] = job(path, 4, preemption_mode="recompute", **TIGHT)
+    jobs[("orbax", 2)] = job(ckpt, 2, **AMPLE)
+    results = run_worker(tmp_path_factory.mktemp("tp"), list(jobs.values()))
+    return dict(zip(jobs, results)), ckpt
+
+
+@pytest.mark.parametrize("variant", ["llama_gqa", "opt_pre"])
+@pytest.mark.parametrize("tp, mode", [(2, "swap"), (4, "recompute")])
+def test_tp_greedy_matches_tp1_under_preemption(tp_runs, variant, tp, mode):
+    runs, _ = tp_runs
+    got = runs[(variant, tp)]
+    assert got["preemptions"][mode] > 0, got["preemptions"]
+    assert_same_outputs(got, runs[(variant, 1)], f"{variant} tp={tp}")
+
+
+@pytest.mark.parametrize("variant", ["llama_gqa", "opt_pre"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_params_and_kv_cache_are_split(tp_runs, variant, tp):
+    """Each device holds its fraction: columns of Q/up/fc1, rows of O/down/fc2, the vocabulary
+    of the embedding, and its KV heads of the cache (read after swaps and copies)."""
+    runs, _ = tp_runs
+    full, got = runs[(variant, 1)]["shards"], runs[(variant, tp)]["shards"]
+    for name, shards in full.items():
+        assert len(shards) == 1
+        assert len(got[name]) == tp, name
+    split = {"q.w": 1, "up.w": 1, "fc1.w": 1, "o.w": 0, "down.w": 0, "fc2.w": 0, "embed": 0}
+    for name, axis in split.items():
+        if name in full:
+            want = list(full[name][0])
+            want[axis] //= tp
+            assert got[name] == [want] * tp, (name, got[name])
+    _, bs, kvh, d = full["kv_cache"][0]
+    kv_heads = runs[(variant, tp)]["num_kv_heads"]
+    # llama_gqa has 2 KV heads: at tp=4 each is replicated twice, so every device holds one.
+    assert kv_heads == max(kvh, tp)
+    assert got["k.w"] == [[full["k.w"][0][0], kv_heads * d // tp]] * tp
+    assert got["kv_cache"] == [[TIGHT["num_kv_blocks"], bs, kv_heads // tp, d]] * tp
+
+
+def test_orbax_checkpoint_round_trip_loads_sharded(tp_runs):
+    runs, ckpt = tp_runs
+    assert (ckpt / "paged_jax_checkpoint.json").is_file() and (ckpt / "params").is_dir()
+    assert not list(ckpt.glob("*.safetensors"))  # the weights come from orbax, not from a copied file
+    got = runs[("orbax", 2)]
+    assert got["shards"]["q.w"] == [[64, 32], [64, 32]]
+    assert_same_outputs(got, runs[("llama_gqa", 1)], "orbax tp=2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["llama_tied_scaled", "opt_post", "gpt2"])
+def test_tp_more_families(hf_model_dir, tmp_path, variant):
+    """MQA (1 KV head, replicated), tied embeddings, biases; OPT post-LN with project_in/out; GPT-2."""
+    path = hf_model_dir(variant)
+    jobs = [job(path, 1, **AMPLE), job(path, 2, **AMPLE), job(path, 4, preemption_mode="swap", **TIGHT)]
+    base, *others = run_worker(tmp_path, jobs)
+    for tp, got in zip((2, 4), others):
+        assert_same_outputs(got, base, f"{variant} tp={tp}")
+
+
+# ---- errors, in this process (one device) -------------------------------------------------------
+
+def test_bad_tensor_parallel_size_is_refused_before_weights_load(hf_model_dir, tmp_path):
+    from paged_jax import LLM
+
+    bare = tmp_path / "config-only"  # no weights at all: the error must come from the head check
+    bare.mkdir()
+    (bare / "config.json").write_text((hf_model_dir("llama_gqa") / "config.json").read_text())
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's 4 attention heads"):
+        LLM(model=str(bare), tokenizer=str(hf_model_dir("llama_gqa")), tensor_parallel_size=3)
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 but only 1 cpu device"):
+        LLM(model=str(bare), tokenizer=str(hf_model_dir("llama_gqa")), tensor_parallel_size=2)
+    for bad in (0, -1, 1.5, "2", True):
+        with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+            EngineArgs(tensor_parallel_size=bad)
+
+
+def test_kv_head_rules():
+    from paged_jax.models.loader import model_config_from_hf
+    from paged_jax.parallel import check_tensor_parallel
+
+    cfg = model_config_from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 96,
+                                "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 12,
+                                "num_key_value_heads": 3, "max_position_embeddings": 64})
+    assert check_tensor_parallel(cfg, 3) == (cfg, 1)
+    run, rep = check_tensor_parallel(cfg, 6)  # 3 KV heads over 6 devices: each replicated twice
+    assert (run.num_kv_heads, rep) == (6, 2) and run.num_heads == 12
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 and the model's 3 KV heads do not fit"):
+        check_tensor_parallel(cfg, 2)
+    mqa = dataclasses.replace(cfg, num_kv_heads=1)
+    assert check_tensor_parallel(mqa, 4)[0].num_kv_heads == 4

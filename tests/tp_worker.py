@@ -1,0 +1,57 @@
+"""Runs engines with tensor parallelism in a process of its own, where JAX sees N CPU devices.
+
+``python -m tests.tp_worker JOBS.json OUT.json``: JOBS.json is ``{"devices": N, "jobs": [...]}``,
+each job ``{"model", "tp", "prompts", "max_tokens", **engine options}``. For each job OUT.json
+gets the greedy token ids and cumulative logprobs, the preemption counts, and the per-device
+shard shapes of a few parameters and of the KV cache (read after the run, so after any
+swap or copy-on-write). The device count has to be fixed before JAX starts, hence a process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+
+def shard_shapes(x) -> list:
+    return sorted(list(s.data.shape) for s in x.addressable_shards)
+
+
+def run_job(job: dict) -> dict:
+    from paged_jax import LLM, SamplingParams
+
+    job = dict(job)
+    prompts, max_tokens, model, tp = job.pop("prompts"), job.pop("max_tokens"), job.pop("model"), job.pop("tp")
+    llm = LLM(model=model, tensor_parallel_size=tp, **job)
+    outs = llm.generate(prompt_token_ids=prompts, use_tqdm=False,
+                        sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens))
+    engine = llm.llm_engine
+    runner, stats = engine.runner, engine.get_stats()
+    layer = runner.params["layers"][0]
+    shards = {"kv_cache": shard_shapes(runner.kv_caches[0][0]), "embed": shard_shapes(runner.params["embed"])}
+    for name, leaf in (("q", "w"), ("k", "w"), ("o", "w"), ("up", "w"), ("down", "w"), ("fc1", "w"), ("fc2", "w")):
+        if name in layer:
+            shards[f"{name}.{leaf}"] = shard_shapes(layer[name][leaf])
+    return {"tokens": [o.outputs[0].token_ids for o in outs],
+            "cum_logprobs": [o.outputs[0].cumulative_logprob for o in outs],
+            "preemptions": stats["num_preemptions"], "shards": shards,
+            "num_kv_heads": engine.model_config.num_kv_heads,
+            "all_free": stats["num_free_blocks"] == stats["num_total_blocks"]}
+
+
+def main(argv) -> int:
+    spec = json.loads(open(argv[0]).read())
+    if "jax" in sys.modules:
+        raise RuntimeError("JAX was imported before the device count was set")
+    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={spec['devices']}"
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    results = [run_job(job) for job in spec["jobs"]]
+    with open(argv[1], "w") as f:
+        json.dump(results, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
