@@ -150,3 +150,47 @@ def test_kv_head_rules():
         check_tensor_parallel(cfg, 2)
     mqa = dataclasses.replace(cfg, num_kv_heads=1)
     assert check_tensor_parallel(mqa, 4)[0].num_kv_heads == 4
+
+
+# ---- several hosts: two processes on loopback, JAX's CPU collectives (gloo) --------------------
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_serve_one_model(hf_model_dir, tmp_path):
+    """jax.distributed.initialize in two processes of 2 CPU devices each: one tp=4 mesh over both,
+    with swap preemption (swapped blocks are gathered from both processes); both processes
+    produce tp=1's tokens."""
+    path = hf_model_dir("llama_gqa")
+    (tmp_path / "single").mkdir()
+    (want,) = run_worker(tmp_path / "single", [job(path, 1, **AMPLE)], devices=1)
+    addr = f"127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs, outs = [], []
+    for pid in range(2):
+        spec, out = tmp_path / f"jobs{pid}.json", tmp_path / f"out{pid}.json"
+        spec.write_text(json.dumps({"devices": 2, "jobs": [job(path, 4, preemption_mode="swap", **TIGHT)],
+                                    "distributed": {"coordinator_address": addr, "num_processes": 2,
+                                                    "process_id": pid}}))
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests.tp_worker", str(spec), str(out)], cwd=ROOT,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outs.append(out)
+    try:
+        logs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+    for out in outs:
+        (got,) = json.loads(out.read_text())
+        assert got["preemptions"]["swap"] > 0
+        assert got["shards"]["kv_cache"] == [[TIGHT["num_kv_blocks"], 8, 1, 16]] * 2  # 2 of the 4 shards here
+        assert_same_outputs(got, want, "2 processes, tp=4")

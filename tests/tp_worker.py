@@ -1,6 +1,7 @@
 """Runs engines with tensor parallelism in a process of its own, where JAX sees N CPU devices.
 
-``python -m tests.tp_worker JOBS.json OUT.json``: JOBS.json is ``{"devices": N, "jobs": [...]}``,
+``python -m tests.tp_worker JOBS.json OUT.json``: JOBS.json is ``{"devices": N, "jobs": [...]}``
+(plus ``"distributed": {...}``, ``jax.distributed.initialize``'s arguments, for one process of several),
 each job ``{"model", "tp", "prompts", "max_tokens", **engine options}``. For each job OUT.json
 gets the greedy token ids and cumulative logprobs, the preemption counts, and the per-device
 shard shapes of a few parameters and of the KV cache (read after the run, so after any
@@ -47,6 +48,10 @@ def main(argv) -> int:
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={spec['devices']}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if "distributed" in spec:  # one of several processes: {"coordinator_address", "num_processes", "process_id"}
+        import jax
+
+        jax.distributed.initialize(**spec["distributed"])
     results = [run_job(job) for job in spec["jobs"]]
     with open(argv[1], "w") as f:
         json.dump(results, f)

@@ -99,7 +99,12 @@ def swap_out(kv_caches: KVCaches, host_pool: HostPool, mapping) -> None:
     pairs = _pairs(mapping)
     if not pairs:
         return
-    data = np.asarray(_gather(kv_caches, _padded([g for g, _ in pairs])))
+    data = _gather(kv_caches, _padded([g for g, _ in pairs]))
+    if not data.is_fully_addressable:  # split over several hosts: every host keeps the whole block
+        from jax.experimental import multihost_utils
+
+        data = multihost_utils.process_allgather(data, tiled=True)
+    data = np.asarray(data)
     cpu_blocks = [c for _, c in pairs]
     for i, (k, v) in enumerate(host_pool):
         k[cpu_blocks] = data[i, 0, :len(cpu_blocks)]
