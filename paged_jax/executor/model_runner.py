@@ -65,19 +65,25 @@ def enable_compilation_cache(path: Optional[str] = None) -> None:
 def available_kv_memory(fraction: float, cpu_kv_cache_space: float, num_devices: int = 1) -> int:
     """Bytes the KV cache may take: ``fraction`` of free device memory on an accelerator (summed
     over ``num_devices``, the tensor-parallel shards, each counted as the fullest one);
-    on the CPU at most ``cpu_kv_cache_space`` GiB and half of the available RAM."""
-    dev = jax.devices()[0]
-    if dev.platform != "cpu":
+    on the CPU at most ``cpu_kv_cache_space`` GiB and half of the available RAM. Across
+    several processes, the smallest answer of any (every host must size the same pool)."""
+    if jax.devices()[0].platform != "cpu":
         free = []
-        for d in jax.devices()[:num_devices]:
+        for d in jax.local_devices()[:num_devices]:
             stats = d.memory_stats() or {}
             free.append(stats.get("bytes_limit", 0) * fraction - stats.get("bytes_in_use", 0))
-        return int(max(0, min(free) * num_devices))
-    try:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        avail = 8 << 30
-    return int(min(cpu_kv_cache_space * (1 << 30), 0.5 * avail))
+        nbytes = min(free) * num_devices
+    else:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            avail = 8 << 30
+        nbytes = min(cpu_kv_cache_space * (1 << 30), 0.5 * avail)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        nbytes = float(np.min(multihost_utils.process_allgather(np.float64(nbytes))))
+    return int(max(0, nbytes))
 
 
 def num_blocks_for_memory(config: ModelConfig, block_size: int, nbytes: int) -> int:
