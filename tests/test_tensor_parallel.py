@@ -99,6 +99,16 @@ def test_params_and_kv_cache_are_split(tp_runs, variant, tp):
     assert got["kv_cache"] == [[TIGHT["num_kv_blocks"], bs, kv_heads // tp, d]] * tp
 
 
+@pytest.mark.parametrize("variant", ["llama_gqa", "opt_pre"])
+def test_step_communicates_like_megatron(tp_runs, variant):
+    """XLA partitions the step without gathering weights: all-reduces (after the row-parallel
+    layers and the vocab-split embedding) and one all-gather, of the vocab-split logits."""
+    coll = tp_runs[0][(variant, 2)]["collectives"]
+    assert set(coll) <= {"all-reduce", "all-gather"}, coll
+    assert 1 <= len(coll["all-reduce"]) <= 2 * 2 + 1, coll  # 2 layers: attention output, MLP down; embedding
+    assert [s.split("{")[0] for s in coll.get("all-gather", [])] == ["f32[2,512]"], coll  # [rows, vocab]
+
+
 def test_orbax_checkpoint_round_trip_loads_sharded(tp_runs):
     runs, ckpt = tp_runs
     assert (ckpt / "paged_jax_checkpoint.json").is_file() and (ckpt / "params").is_dir()

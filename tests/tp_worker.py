@@ -19,6 +19,22 @@ def shard_shapes(x) -> list:
     return sorted(list(s.data.shape) for s in x.addressable_shards)
 
 
+def step_collectives(runner) -> dict:
+    """The collectives XLA put in a compiled decode step: {op: [result shapes]}."""
+    import re
+
+    from paged_jax.executor.batch import SeqChunk, prepare_batch
+    from paged_jax.executor.model_runner import BATCH_FIELDS
+
+    b = prepare_batch([SeqChunk([5], 7, [1]), SeqChunk([6], 3, [2])], runner.block_size)
+    arrays = {k: getattr(b, k) for k in BATCH_FIELDS}
+    hlo = runner._step.lower(runner.params, runner.kv_caches, arrays, b.max_query_len, False).compile().as_text()
+    found: dict = {}
+    for shape, op in re.findall(r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(", hlo):
+        found.setdefault(op, []).append(shape)
+    return found
+
+
 def run_job(job: dict) -> dict:
     from paged_jax import LLM, SamplingParams
 
@@ -38,6 +54,7 @@ def run_job(job: dict) -> dict:
             "cum_logprobs": [o.outputs[0].cumulative_logprob for o in outs],
             "preemptions": stats["num_preemptions"], "shards": shards,
             "num_kv_heads": engine.model_config.num_kv_heads,
+            "collectives": step_collectives(runner) if tp > 1 else {},
             "all_free": stats["num_free_blocks"] == stats["num_total_blocks"]}
 
 
