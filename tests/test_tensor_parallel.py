@@ -204,3 +204,28 @@ def test_two_processes_serve_one_model(hf_model_dir, tmp_path):
         assert got["preemptions"]["swap"] > 0
         assert got["shards"]["kv_cache"] == [[TIGHT["num_kv_blocks"], 8, 1, 16]] * 2  # 2 of the 4 shards here
         assert_same_outputs(got, want, "2 processes, tp=4")
+
+
+@pytest.mark.parametrize("variant, dtype", [("opt_post", "bfloat16"), ("llama_tied_scaled", "auto")])
+def test_orbax_checkpoint_restores_the_same_params(hf_model_dir, tmp_path, variant, dtype):
+    """convert -> restore (one device) gives exactly the arrays the safetensors loader gives, in the
+    converted dtype; a second convert into the same folder is refused."""
+    import jax
+
+    from paged_jax.models.loader import load_model
+    from paged_jax.parallel import load_for_serving
+    from paged_jax.parallel.checkpoint import convert
+
+    src = hf_model_dir(variant)
+    ckpt = convert(src, tmp_path / "ckpt", dtype)
+    config, params, mesh = load_for_serving(ckpt, "auto", 1)
+    want_config, want = load_model(src, dtype)
+    assert config == want_config and mesh.shape == {"tp": 1}
+    got_leaves, got_tree = jax.tree_util.tree_flatten(params)
+    want_leaves, want_tree = jax.tree_util.tree_flatten(want)
+    assert got_tree == want_tree
+    for g, w in zip(got_leaves, want_leaves):
+        assert g.dtype == w.dtype == jax.numpy.dtype(want_config.dtype)
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    with pytest.raises(ValueError, match="exists and is not empty"):
+        convert(src, ckpt)
