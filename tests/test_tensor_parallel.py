@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PROMPTS = [np.random.default_rng(i).integers(3, 512, size=n).tolist() for i, n in enumerate(range(3, 48, 4))]
 MAX_TOKENS = 16
 AMPLE = dict(num_kv_blocks=128, block_size=8)
+SHARED_SAMPLING = dict(n=3, temperature=0.8, seed=7)
 TIGHT = dict(num_kv_blocks=16, block_size=8)  # 15 usable blocks of 8 tokens for 12 prompts of up to 59 tokens
 
 
@@ -62,6 +63,10 @@ def tp_runs(hf_model_dir, tmp_path_factory):
         jobs[(variant, 2)] = job(path, 2, preemption_mode="swap", **TIGHT)
         jobs[(variant, 4)] = job(path, 4, preemption_mode="recompute", **TIGHT)
     jobs[("orbax", 2)] = job(ckpt, 2, **AMPLE)
+    # Parallel samples share the prompt's blocks and copy the last one when they diverge (copy-on-write).
+    shared = dict(prompts=PROMPTS[:4], max_tokens=8, sampling=SHARED_SAMPLING, enable_prefix_caching=True, **AMPLE)
+    for tp in (1, 2):
+        jobs[("shared", tp)] = {**job(hf_model_dir("llama_gqa"), tp), **shared}
     results = run_worker(tmp_path_factory.mktemp("tp"), list(jobs.values()))
     return dict(zip(jobs, results)), ckpt
 
@@ -107,6 +112,17 @@ def test_step_communicates_like_megatron(tp_runs, variant):
     assert set(coll) <= {"all-reduce", "all-gather"}, coll
     assert 1 <= len(coll["all-reduce"]) <= 2 * 2 + 1, coll  # 2 layers: attention output, MLP down; embedding
     assert [s.split("{")[0] for s in coll.get("all-gather", [])] == ["f32[2,512]"], coll  # [rows, vocab]
+
+
+def test_tp_parallel_samples_with_copy_on_write(tp_runs):
+    """n=3 seeded samples per prompt: forks, copy-on-write block copies on the split cache."""
+    runs, _ = tp_runs
+    got, want = runs[("shared", 2)], runs[("shared", 1)]
+    assert got["samples"] == want["samples"]
+    assert all(len(set(map(tuple, s))) > 1 for s in want["samples"])  # the samples diverged
+    assert got["blocks_copied"] > 0
+    assert got["shards"]["kv_cache"] == [[AMPLE["num_kv_blocks"], 8, 1, 16]] * 2
+    assert got["all_free"]
 
 
 def test_orbax_checkpoint_round_trip_loads_sharded(tp_runs):

@@ -2,7 +2,7 @@
 
 ``python -m tests.tp_worker JOBS.json OUT.json``: JOBS.json is ``{"devices": N, "jobs": [...]}``
 (plus ``"distributed": {...}``, ``jax.distributed.initialize``'s arguments, for one process of several),
-each job ``{"model", "tp", "prompts", "max_tokens", **engine options}``. For each job OUT.json
+each job ``{"model", "tp", "prompts", "max_tokens", "sampling"?, **engine options}``. For each job OUT.json
 gets the greedy token ids and cumulative logprobs, the preemption counts, and the per-device
 shard shapes of a few parameters and of the KV cache (read after the run, so after any
 swap or copy-on-write). The device count has to be fixed before JAX starts, hence a process.
@@ -37,12 +37,24 @@ def step_collectives(runner) -> dict:
 
 def run_job(job: dict) -> dict:
     from paged_jax import LLM, SamplingParams
+    from paged_jax.memory import cache_ops
 
     job = dict(job)
     prompts, max_tokens, model, tp = job.pop("prompts"), job.pop("max_tokens"), job.pop("model"), job.pop("tp")
+    sampling = job.pop("sampling", {"temperature": 0})
     llm = LLM(model=model, tensor_parallel_size=tp, **job)
-    outs = llm.generate(prompt_token_ids=prompts, use_tqdm=False,
-                        sampling_params=SamplingParams(temperature=0, max_tokens=max_tokens))
+    copies, copy_blocks = [], cache_ops.copy_blocks
+
+    def counting_copy(kv_caches, src, dst):
+        copies.append(len(src))
+        return copy_blocks(kv_caches, src, dst)
+
+    cache_ops.copy_blocks = counting_copy
+    try:
+        outs = llm.generate(prompt_token_ids=prompts, use_tqdm=False,
+                            sampling_params=SamplingParams(max_tokens=max_tokens, **sampling))
+    finally:
+        cache_ops.copy_blocks = copy_blocks
     engine = llm.llm_engine
     runner, stats = engine.runner, engine.get_stats()
     layer = runner.params["layers"][0]
@@ -51,8 +63,9 @@ def run_job(job: dict) -> dict:
         if name in layer:
             shards[f"{name}.{leaf}"] = shard_shapes(layer[name][leaf])
     return {"tokens": [o.outputs[0].token_ids for o in outs],
+            "samples": [[c.token_ids for c in o.outputs] for o in outs],
             "cum_logprobs": [o.outputs[0].cumulative_logprob for o in outs],
-            "preemptions": stats["num_preemptions"], "shards": shards,
+            "preemptions": stats["num_preemptions"], "blocks_copied": sum(copies), "shards": shards,
             "num_kv_heads": engine.model_config.num_kv_heads,
             "collectives": step_collectives(runner) if tp > 1 else {},
             "all_free": stats["num_free_blocks"] == stats["num_total_blocks"]}
