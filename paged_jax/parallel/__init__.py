@@ -17,7 +17,7 @@ query heads use; the KV cache then holds ``tp`` heads. Anything else is refused.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional
+from typing import Callable
 
 from paged_jax.models.config import ModelConfig
 from paged_jax.parallel.rules import AXIS, HEADS_SPEC, KV_CACHE_SPEC
