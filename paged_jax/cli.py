@@ -1,4 +1,4 @@
-"""``paged-jax`` command line: ``generate`` (the main job) and ``make-tiny``."""
+"""``paged-jax`` command line: ``generate`` (the main job), ``convert`` and ``make-tiny``."""
 
 from __future__ import annotations
 
@@ -29,6 +29,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--attention-backend", default="reference")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="devices to split the model over (Megatron-style tensor parallelism)")
 
 
 def _llm(a):
@@ -37,7 +39,7 @@ def _llm(a):
     return LLM(model=a.model, dtype=a.dtype, block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
                max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, preemption_mode=a.preemption_mode,
                enable_chunked_prefill=a.enable_chunked_prefill, enable_prefix_caching=a.enable_prefix_caching,
-               attention_backend=a.attention_backend, seed=a.seed)
+               attention_backend=a.attention_backend, seed=a.seed, tensor_parallel_size=a.tensor_parallel_size)
 
 
 def cmd_generate(a) -> int:
@@ -70,6 +72,10 @@ def main(argv=None) -> int:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--sampling-seed", type=int, default=None)
     g.add_argument("-v", "--verbose", action="store_true")
+    c = sub.add_parser("convert", help="write a HF model folder as an orbax checkpoint that loads sharded")
+    c.add_argument("--model", required=True, help="HF model folder (config.json + safetensors + tokenizer)")
+    c.add_argument("--out", required=True, help="new folder for the checkpoint (use it as --model later)")
+    c.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     t = sub.add_parser("make-tiny", help="write a tiny random HF model folder (llama, opt or gpt2) offline")
     t.add_argument("rest", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
@@ -77,6 +83,11 @@ def main(argv=None) -> int:
         from paged_jax.models.tiny import main as tiny_main
 
         tiny_main(a.rest)
+        return 0
+    if a.cmd == "convert":
+        from paged_jax.parallel.checkpoint import convert
+
+        print(f"wrote {convert(a.model, a.out, a.dtype)}")
         return 0
     logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(message)s")
     return cmd_generate(a)

@@ -47,6 +47,7 @@ class EngineArgs:
     attention_backend: str = "reference"
     seed: int = 0
     watermark: float = 0.01
+    tensor_parallel_size: int = 1  # devices the model is split over (Megatron-style; paged_jax.parallel)
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or not 1 <= self.block_size <= 256:
@@ -60,6 +61,9 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
 
 
 class LLMEngine:
@@ -68,13 +72,13 @@ class LLMEngine:
 
         from paged_jax.executor.model_runner import (ModelRunner, available_kv_memory, enable_compilation_cache,
                                                      num_blocks_for_memory)
-        from paged_jax.models.loader import load_model
         from paged_jax.models.tiny import default_model_path
+        from paged_jax.parallel import load_for_serving
 
         self.args = args
         model_path = str(args.model or default_model_path())
         enable_compilation_cache()
-        self.model_config, params = load_model(model_path, args.dtype)
+        self.model_config, params, mesh = load_for_serving(model_path, args.dtype, args.tensor_parallel_size)
         mc = self.model_config
         self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_path)
         eos = {self.tokenizer.eos_token_id} | set(mc.eos_token_id or ())
@@ -96,7 +100,8 @@ class LLMEngine:
             num_gpu_blocks = args.num_kv_blocks
         else:
             num_gpu_blocks = min(cap, num_blocks_for_memory(
-                mc, bs, available_kv_memory(args.gpu_memory_utilization, args.cpu_kv_cache_space)))
+                mc, bs, available_kv_memory(args.gpu_memory_utilization, args.cpu_kv_cache_space,
+                                            args.tensor_parallel_size)))
             if num_gpu_blocks < 2:
                 raise ValueError("not enough memory for a KV cache: give num_kv_blocks or more memory")
         num_cpu_blocks = min(cap, int(args.swap_space * (1 << 30)) // (mc.kv_bytes_per_token * bs))
@@ -104,7 +109,8 @@ class LLMEngine:
                                           enable_prefix_caching=args.enable_prefix_caching,
                                           enable_block_sharing=args.enable_block_sharing)
         self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        self.runner = ModelRunner(mc, params, bs, num_gpu_blocks, num_cpu_blocks, args.attention_backend, args.seed)
+        self.runner = ModelRunner(mc, params, bs, num_gpu_blocks, num_cpu_blocks, args.attention_backend, args.seed,
+                                  mesh=mesh)
         logger.info("paged-jax engine: model=%s family=%s dtype=%s blocks=%d x %d tokens (host %d), max_model_len=%d",
                     model_path, mc.family, mc.dtype, num_gpu_blocks, bs, num_cpu_blocks, max_model_len)
         self._seq_counter = itertools.count()

@@ -14,7 +14,9 @@ class LLM:
     """An engine plus a loop that runs a batch of prompts to completion.
 
     Arguments are vLLM's (see :class:`EngineArgs`); ``model=None`` uses the
-    bundled tiny LLaMA, built on first use without any download.
+    bundled tiny LLaMA, built on first use without any download. ``model`` may also be
+    a checkpoint written by ``paged-jax convert``; ``tensor_parallel_size=N`` splits the
+    model over N devices.
     """
 
     def __init__(self, model: Optional[str] = None, tokenizer: Optional[str] = None, dtype: str = "auto",
@@ -22,13 +24,13 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: Optional[int] = None,
                  max_model_len: Optional[int] = None, preemption_mode: Optional[str] = None,
                  enable_chunked_prefill: bool = False, enable_prefix_caching: bool = False,
-                 attention_backend: str = "reference", seed: int = 0, **kwargs):
+                 attention_backend: str = "reference", seed: int = 0, tensor_parallel_size: int = 1, **kwargs):
         args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, block_size=block_size,
                           num_kv_blocks=num_kv_blocks, swap_space=swap_space, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
                           preemption_mode=preemption_mode, enable_chunked_prefill=enable_chunked_prefill,
                           enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend,
-                          seed=seed, **kwargs)
+                          seed=seed, tensor_parallel_size=tensor_parallel_size, **kwargs)
         self.llm_engine = LLMEngine(args)
         self._counter = 0
 

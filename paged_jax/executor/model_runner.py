@@ -65,19 +65,28 @@ def enable_compilation_cache(path: Optional[str] = None) -> None:
         logger.info("persistent compilation cache unavailable: %s", e)
 
 
-def available_kv_memory(fraction: float, cpu_kv_cache_space: float) -> int:
-    """Bytes the KV cache may take: ``fraction`` of free device memory on an accelerator;
-    on the CPU at most ``cpu_kv_cache_space`` GiB and half of the available RAM."""
-    dev = jax.devices()[0]
-    if dev.platform != "cpu":
-        stats = dev.memory_stats() or {}
-        limit, used = stats.get("bytes_limit", 0), stats.get("bytes_in_use", 0)
-        return int(max(0, limit * fraction - used))
-    try:
-        avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        avail = 8 << 30
-    return int(min(cpu_kv_cache_space * (1 << 30), 0.5 * avail))
+def available_kv_memory(fraction: float, cpu_kv_cache_space: float, num_devices: int = 1) -> int:
+    """Bytes the KV cache may take: ``fraction`` of free device memory on an accelerator (summed
+    over ``num_devices``, the tensor-parallel shards, each counted as the fullest one);
+    on the CPU at most ``cpu_kv_cache_space`` GiB and half of the available RAM. Across
+    several processes, the smallest answer of any (every host must size the same pool)."""
+    if jax.devices()[0].platform != "cpu":
+        free = []
+        for d in jax.local_devices()[:num_devices]:
+            stats = d.memory_stats() or {}
+            free.append(stats.get("bytes_limit", 0) * fraction - stats.get("bytes_in_use", 0))
+        nbytes = min(free) * num_devices
+    else:
+        try:
+            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        except (ValueError, OSError):
+            avail = 8 << 30
+        nbytes = min(cpu_kv_cache_space * (1 << 30), 0.5 * avail)
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        nbytes = float(np.min(multihost_utils.process_allgather(np.float64(nbytes))))
+    return int(max(0, nbytes))
 
 
 def num_blocks_for_memory(config: ModelConfig, block_size: int, nbytes: int) -> int:
@@ -86,16 +95,25 @@ def num_blocks_for_memory(config: ModelConfig, block_size: int, nbytes: int) -> 
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, params, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
-                 attention_backend: str = "reference", seed: int = 0):
+                 attention_backend: str = "reference", seed: int = 0, mesh=None):
+        """``mesh``: tensor parallelism (``paged_jax.parallel``): params already sharded on it,
+        the KV cache split over KV heads, the attention backend run per device in shard_map."""
         self.config, self.params, self.block_size = config, params, block_size
         self.attn = get_backend(attention_backend)
         self.seed = seed
+        self.mesh, self.kv_sharding, out_shardings = mesh, None, None
+        if mesh is not None:
+            from paged_jax import parallel
+
+            self.attn = parallel.shard_backend(self.attn, mesh)
+            self.kv_sharding = parallel.kv_cache_sharding(mesh)
+            out_shardings = (parallel.replicated(mesh), self.kv_sharding)
         shape = dict(num_layers=config.num_layers, block_size=block_size, num_kv_heads=config.num_kv_heads,
                      head_dim=config.head_dim, dtype=jnp.dtype(config.dtype))
-        self.kv_caches = cache_ops.allocate_kv_caches(num_blocks=num_gpu_blocks, **shape)
+        self.kv_caches = cache_ops.allocate_kv_caches(num_blocks=num_gpu_blocks, sharding=self.kv_sharding, **shape)
         self.host_pool = cache_ops.allocate_host_pool(num_blocks=num_cpu_blocks, **shape)
         self._compiled: set = set()
-        self._step = jax.jit(self._step_fn, static_argnums=(3, 4), donate_argnums=(1,))
+        self._step = jax.jit(self._step_fn, static_argnums=(3, 4), donate_argnums=(1,), out_shardings=out_shardings)
         self._sample_step = 0
         self.timings = {"prepare": 0.0, "cache_ops": 0.0, "device": 0.0, "sample": 0.0}
 

@@ -34,10 +34,13 @@ MIN_BUCKET = 8
 
 
 def allocate_kv_caches(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
-                       dtype=jnp.float32) -> KVCaches:
-    """Zeroed device KV cache, ``num_blocks`` physical blocks (null block included)."""
+                       dtype=jnp.float32, sharding=None) -> KVCaches:
+    """Zeroed device KV cache, ``num_blocks`` physical blocks (null block included). With a
+    ``sharding`` (tensor parallelism: split over KV heads) each device allocates only its shard."""
     shape = (num_blocks, block_size, num_kv_heads, head_dim)
-    return [(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)) for _ in range(num_layers)]
+    zeros = jax.jit(lambda: jnp.zeros(shape, dtype), out_shardings=sharding) if sharding else (
+        lambda: jnp.zeros(shape, dtype))
+    return [(zeros(), zeros()) for _ in range(num_layers)]
 
 
 def allocate_host_pool(num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -96,7 +99,12 @@ def swap_out(kv_caches: KVCaches, host_pool: HostPool, mapping) -> None:
     pairs = _pairs(mapping)
     if not pairs:
         return
-    data = np.asarray(_gather(kv_caches, _padded([g for g, _ in pairs])))
+    data = _gather(kv_caches, _padded([g for g, _ in pairs]))
+    if not data.is_fully_addressable:  # split over several hosts: every host keeps the whole block
+        from jax.experimental import multihost_utils
+
+        data = multihost_utils.process_allgather(data, tiled=True)
+    data = np.asarray(data)
     cpu_blocks = [c for _, c in pairs]
     for i, (k, v) in enumerate(host_pool):
         k[cpu_blocks] = data[i, 0, :len(cpu_blocks)]

@@ -1,0 +1,107 @@
+"""Tensor parallelism on JAX's SPMD runtime (Megatron-style, over one mesh axis ``"tp"``).
+
+The mesh is ``jax.sharding.Mesh`` over ``tensor_parallel_size`` devices (across hosts
+after ``jax.distributed.initialize``). Parameters carry ``NamedSharding``s from the
+per-family rule table (:mod:`paged_jax.parallel.rules`); the jitted step is partitioned
+by XLA's SPMD partitioner, which inserts the all-reduces after row-parallel layers. The
+KV cache is split over KV heads and shares one block table across shards, so the block
+manager does not know about devices. The attention backend runs per device inside
+``jax.shard_map`` over heads (it needs no communication).
+
+Head counts: ``num_heads`` must be divisible by ``tp``. If ``num_kv_heads`` is not but
+``tp`` is a multiple of it (multi-query / few KV heads), each KV head is *replicated*
+``tp // num_kv_heads`` times (as vLLM does), so every device holds the one KV head its
+query heads use; the KV cache then holds ``tp`` heads. Anything else is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+from paged_jax.models.config import ModelConfig
+from paged_jax.parallel.rules import AXIS, HEADS_SPEC, KV_CACHE_SPEC
+
+
+def check_tensor_parallel(config: ModelConfig, tp: int) -> tuple[ModelConfig, int]:
+    """Validate ``tp`` against the model's heads, before any weight is read.
+
+    Returns the config the engine runs (``num_kv_heads`` raised to ``tp`` when KV heads
+    are replicated) and the replication factor (1 when none).
+    """
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+        raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+    if config.num_heads % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {config.num_heads} attention heads; "
+                         f"use a divisor of {config.num_heads}")
+    if config.num_kv_heads % tp == 0:
+        return config, 1
+    if tp % config.num_kv_heads:
+        raise ValueError(f"tensor_parallel_size={tp} and the model's {config.num_kv_heads} KV heads do not fit: "
+                         f"tp must divide the KV heads or be a multiple of them (then KV heads are replicated)")
+    rep = tp // config.num_kv_heads
+    return dataclasses.replace(config, num_kv_heads=tp), rep
+
+
+def make_mesh(tp: int):
+    """A 1-D mesh ``("tp",)`` over the first ``tp`` devices (global devices on several hosts)."""
+    import jax
+    from jax.sharding import AxisType
+
+    devices = jax.devices()
+    if tp > len(devices):
+        raise ValueError(f"tensor_parallel_size={tp} but only {len(devices)} {devices[0].platform} device(s) "
+                         "are visible (on a CPU, XLA_FLAGS=--xla_force_host_platform_device_count=N makes N)")
+    return jax.make_mesh((tp,), (AXIS,), axis_types=(AxisType.Auto,), devices=devices[:tp])
+
+
+def kv_cache_sharding(mesh):
+    from jax.sharding import NamedSharding
+
+    return NamedSharding(mesh, KV_CACHE_SPEC)
+
+
+def replicated(mesh):
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    return NamedSharding(mesh, PartitionSpec())
+
+
+def shard_backend(backend: Callable, mesh) -> Callable:
+    """Run an attention backend per device on its own heads (q, K and V caches split over heads)."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    def sharded(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale):
+        def local(q, k_cache, v_cache, block_tables, context_lens, query_lens):
+            return backend(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale)
+
+        return jax.shard_map(local, mesh=mesh, in_specs=(HEADS_SPEC, KV_CACHE_SPEC, KV_CACHE_SPEC, P(), P(), P()),
+                             out_specs=HEADS_SPEC, check_vma=False)(
+            q, k_cache, v_cache, block_tables, context_lens, query_lens)
+
+    return sharded
+
+
+def load_for_serving(path, dtype: str = "auto", tensor_parallel_size: int = 1):
+    """(ModelConfig, params, mesh or None) for a HF folder or a paged-jax orbax checkpoint.
+
+    ``tensor_parallel_size == 1`` on a HF folder is the plain single-device loader.
+    """
+    from paged_jax.parallel import checkpoint
+
+    tp = tensor_parallel_size
+    if tp == 1 and not checkpoint.is_orbax_checkpoint(path):
+        from paged_jax.models.loader import load_model
+
+        config, params = load_model(path, dtype)
+        return config, params, None
+    config = checkpoint.load_config_any(path, dtype)
+    run_config, rep = check_tensor_parallel(config, tp)  # before any weight is read
+    mesh = make_mesh(tp)
+    params = checkpoint.load_sharded(path, config, mesh, kv_replication=rep)
+    return run_config, params, mesh
+
+
+__all__ = ["check_tensor_parallel", "make_mesh", "kv_cache_sharding", "replicated", "shard_backend",
+           "load_for_serving", "AXIS"]

@@ -1,0 +1,260 @@
+"""Tensor parallelism: tp=2 and tp=4 give tp=1's greedy tokens, and the arrays are really split.
+
+The engines run in a subprocess with 4 forced CPU devices (``tests/tp_worker.py``), so
+this session keeps its single device. tp=1 is the oracle here (it is itself checked
+against Hugging Face in test_engine.py); the runs with tp > 1 use a pool small enough
+that requests are preempted (swap for tp=2, recompute for tp=4).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from paged_jax.engine import EngineArgs
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [np.random.default_rng(i).integers(3, 512, size=n).tolist() for i, n in enumerate(range(3, 48, 4))]
+MAX_TOKENS = 16
+AMPLE = dict(num_kv_blocks=128, block_size=8)
+SHARED_SAMPLING = dict(n=3, temperature=0.8, seed=7)
+TIGHT = dict(num_kv_blocks=16, block_size=8)  # 15 usable blocks of 8 tokens for 12 prompts of up to 59 tokens
+
+
+def run_worker(tmp_path, jobs, devices=4, timeout=900):
+    spec, out = tmp_path / "jobs.json", tmp_path / "out.json"
+    spec.write_text(json.dumps({"devices": devices, "jobs": jobs}))
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    proc = subprocess.run([sys.executable, "-m", "tests.tp_worker", str(spec), str(out)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(out.read_text())
+
+
+def job(model, tp, **kw):
+    return dict(model=str(model), tp=tp, prompts=PROMPTS, max_tokens=MAX_TOKENS, **kw)
+
+
+def assert_same_outputs(got, want, what):
+    for i, (g, w) in enumerate(zip(got["tokens"], want["tokens"])):
+        assert g == w, f"{what}, prompt {i}: {g} != {w}"
+    np.testing.assert_allclose(got["cum_logprobs"], want["cum_logprobs"], rtol=1e-4, atol=1e-4)
+    assert got["all_free"]
+
+
+@pytest.fixture(scope="module")
+def tp_runs(hf_model_dir, tmp_path_factory):
+    """One worker process for all default-suite runs (JAX starts once)."""
+    from paged_jax.cli import main
+
+    ckpt = tmp_path_factory.mktemp("ckpt") / "llama_gqa"
+    assert main(["convert", "--model", str(hf_model_dir("llama_gqa")), "--out", str(ckpt)]) == 0
+    jobs = {}
+    for variant in ("llama_gqa", "opt_pre"):
+        path = hf_model_dir(variant)
+        jobs[(variant, 1)] = job(path, 1, **AMPLE)
+        jobs[(variant, 2)] = job(path, 2, preemption_mode="swap", **TIGHT)
+        jobs[(variant, 4)] = job(path, 4, preemption_mode="recompute", **TIGHT)
+    jobs[("orbax", 2)] = job(ckpt, 2, **AMPLE)
+    # Parallel samples share the prompt's blocks and copy the last one when they diverge (copy-on-write).
+    shared = dict(prompts=PROMPTS[:4], max_tokens=8, sampling=SHARED_SAMPLING, enable_prefix_caching=True, **AMPLE)
+    for tp in (1, 2):
+        jobs[("shared", tp)] = {**job(hf_model_dir("llama_gqa"), tp), **shared}
+    results = run_worker(tmp_path_factory.mktemp("tp"), list(jobs.values()))
+    return dict(zip(jobs, results)), ckpt
+
+
+@pytest.mark.parametrize("variant", ["llama_gqa", "opt_pre"])
+@pytest.mark.parametrize("tp, mode", [(2, "swap"), (4, "recompute")])
+def test_tp_greedy_matches_tp1_under_preemption(tp_runs, variant, tp, mode):
+    runs, _ = tp_runs
+    got = runs[(variant, tp)]
+    assert got["preemptions"][mode] > 0, got["preemptions"]
+    assert_same_outputs(got, runs[(variant, 1)], f"{variant} tp={tp}")
+
+
+@pytest.mark.parametrize("variant", ["llama_gqa", "opt_pre"])
+@pytest.mark.parametrize("tp", [2, 4])
+def test_params_and_kv_cache_are_split(tp_runs, variant, tp):
+    """Each device holds its fraction: columns of Q/up/fc1, rows of O/down/fc2, the vocabulary
+    of the embedding, and its KV heads of the cache (read after swaps and copies)."""
+    runs, _ = tp_runs
+    full, got = runs[(variant, 1)]["shards"], runs[(variant, tp)]["shards"]
+    for name, shards in full.items():
+        assert len(shards) == 1
+        assert len(got[name]) == tp, name
+    split = {"q.w": 1, "up.w": 1, "fc1.w": 1, "o.w": 0, "down.w": 0, "fc2.w": 0, "embed": 0}
+    for name, axis in split.items():
+        if name in full:
+            want = list(full[name][0])
+            want[axis] //= tp
+            assert got[name] == [want] * tp, (name, got[name])
+    _, bs, kvh, d = full["kv_cache"][0]
+    kv_heads = runs[(variant, tp)]["num_kv_heads"]
+    # llama_gqa has 2 KV heads: at tp=4 each is replicated twice, so every device holds one.
+    assert kv_heads == max(kvh, tp)
+    assert got["k.w"] == [[full["k.w"][0][0], kv_heads * d // tp]] * tp
+    assert got["kv_cache"] == [[TIGHT["num_kv_blocks"], bs, kv_heads // tp, d]] * tp
+
+
+@pytest.mark.parametrize("variant", ["llama_gqa", "opt_pre"])
+def test_step_communicates_like_megatron(tp_runs, variant):
+    """XLA partitions the step without gathering weights: all-reduces (after the row-parallel
+    layers and the vocab-split embedding) and one all-gather, of the vocab-split logits."""
+    coll = tp_runs[0][(variant, 2)]["collectives"]
+    assert set(coll) <= {"all-reduce", "all-gather"}, coll
+    assert 1 <= len(coll["all-reduce"]) <= 2 * 2 + 1, coll  # 2 layers: attention output, MLP down; embedding
+    assert [s.split("{")[0] for s in coll.get("all-gather", [])] == ["f32[2,512]"], coll  # [rows, vocab]
+
+
+def test_tp_parallel_samples_with_copy_on_write(tp_runs):
+    """n=3 seeded samples per prompt: forks, copy-on-write block copies on the split cache."""
+    runs, _ = tp_runs
+    got, want = runs[("shared", 2)], runs[("shared", 1)]
+    assert got["samples"] == want["samples"]
+    assert all(len(set(map(tuple, s))) > 1 for s in want["samples"])  # the samples diverged
+    assert got["blocks_copied"] > 0
+    assert got["shards"]["kv_cache"] == [[AMPLE["num_kv_blocks"], 8, 1, 16]] * 2
+    assert got["all_free"]
+
+
+def test_orbax_checkpoint_round_trip_loads_sharded(tp_runs):
+    runs, ckpt = tp_runs
+    assert (ckpt / "paged_jax_checkpoint.json").is_file() and (ckpt / "params").is_dir()
+    assert not list(ckpt.glob("*.safetensors"))  # the weights come from orbax, not from a copied file
+    got = runs[("orbax", 2)]
+    assert got["shards"]["q.w"] == [[64, 32], [64, 32]]
+    assert_same_outputs(got, runs[("llama_gqa", 1)], "orbax tp=2")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["llama_tied_scaled", "opt_post", "gpt2"])
+def test_tp_more_families(hf_model_dir, tmp_path, variant):
+    """MQA (1 KV head, replicated), tied embeddings, biases; OPT post-LN with project_in/out; GPT-2."""
+    path = hf_model_dir(variant)
+    jobs = [job(path, 1, **AMPLE), job(path, 2, **AMPLE), job(path, 4, preemption_mode="swap", **TIGHT)]
+    base, *others = run_worker(tmp_path, jobs)
+    for tp, got in zip((2, 4), others):
+        assert_same_outputs(got, base, f"{variant} tp={tp}")
+
+
+@pytest.mark.slow
+def test_tp_with_pallas_backend(hf_model_dir, tmp_path):
+    """The Pallas decode kernel (interpret mode on the CPU) runs per device inside shard_map."""
+    path = hf_model_dir("llama_gqa")
+    short = dict(prompts=PROMPTS[:3], max_tokens=6)
+    base, got = run_worker(tmp_path, [{**job(path, 1, **AMPLE), **short},
+                                      {**job(path, 2, attention_backend="pallas", **AMPLE), **short}], devices=2)
+    assert got["tokens"] == base["tokens"]
+
+
+# ---- errors, in this process (one device) -------------------------------------------------------
+
+def test_bad_tensor_parallel_size_is_refused_before_weights_load(hf_model_dir, tmp_path):
+    from paged_jax import LLM
+
+    bare = tmp_path / "config-only"  # no weights at all: the error must come from the head check
+    bare.mkdir()
+    (bare / "config.json").write_text((hf_model_dir("llama_gqa") / "config.json").read_text())
+    with pytest.raises(ValueError, match="tensor_parallel_size=3 does not divide the model's 4 attention heads"):
+        LLM(model=str(bare), tokenizer=str(hf_model_dir("llama_gqa")), tensor_parallel_size=3)
+    import jax
+
+    if jax.device_count() == 1:  # the usual test session
+        with pytest.raises(ValueError, match="tensor_parallel_size=2 but only 1 cpu device"):
+            LLM(model=str(bare), tokenizer=str(hf_model_dir("llama_gqa")), tensor_parallel_size=2)
+    for bad in (0, -1, 1.5, "2", True):
+        with pytest.raises(ValueError, match="tensor_parallel_size must be an integer >= 1"):
+            EngineArgs(tensor_parallel_size=bad)
+
+
+def test_kv_head_rules():
+    from paged_jax.models.loader import model_config_from_hf
+    from paged_jax.parallel import check_tensor_parallel
+
+    cfg = model_config_from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 96,
+                                "intermediate_size": 64, "num_hidden_layers": 1, "num_attention_heads": 12,
+                                "num_key_value_heads": 3, "max_position_embeddings": 64})
+    assert check_tensor_parallel(cfg, 3) == (cfg, 1)
+    run, rep = check_tensor_parallel(cfg, 6)  # 3 KV heads over 6 devices: each replicated twice
+    assert (run.num_kv_heads, rep) == (6, 2) and run.num_heads == 12
+    with pytest.raises(ValueError, match="tensor_parallel_size=2 and the model's 3 KV heads do not fit"):
+        check_tensor_parallel(cfg, 2)
+    mqa = dataclasses.replace(cfg, num_kv_heads=1)
+    assert check_tensor_parallel(mqa, 4)[0].num_kv_heads == 4
+
+
+# ---- several hosts: two processes on loopback, JAX's CPU collectives (gloo) --------------------
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_processes_serve_one_model(hf_model_dir, tmp_path):
+    """jax.distributed.initialize in two processes of 2 CPU devices each: one tp=4 mesh over both,
+    with swap preemption (swapped blocks are gathered from both processes); both processes
+    produce tp=1's tokens."""
+    path = hf_model_dir("llama_gqa")
+    (tmp_path / "single").mkdir()
+    (want,) = run_worker(tmp_path / "single", [job(path, 1, **AMPLE)], devices=1)
+    addr = f"127.0.0.1:{free_port()}"
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    procs, outs = [], []
+    for pid in range(2):
+        spec, out = tmp_path / f"jobs{pid}.json", tmp_path / f"out{pid}.json"
+        spec.write_text(json.dumps({"devices": 2, "jobs": [job(path, 4, preemption_mode="swap", **TIGHT)],
+                                    "distributed": {"coordinator_address": addr, "num_processes": 2,
+                                                    "process_id": pid}}))
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests.tp_worker", str(spec), str(out)], cwd=ROOT,
+                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outs.append(out)
+    try:
+        logs = [p.communicate(timeout=600)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-4000:]
+    for out in outs:
+        (got,) = json.loads(out.read_text())
+        assert got["preemptions"]["swap"] > 0
+        assert got["shards"]["kv_cache"] == [[TIGHT["num_kv_blocks"], 8, 1, 16]] * 2  # 2 of the 4 shards here
+        assert_same_outputs(got, want, "2 processes, tp=4")
+
+
+@pytest.mark.parametrize("variant, dtype", [("opt_post", "bfloat16"), ("llama_tied_scaled", "auto")])
+def test_orbax_checkpoint_restores_the_same_params(hf_model_dir, tmp_path, variant, dtype):
+    """convert -> restore (one device) gives exactly the arrays the safetensors loader gives, in the
+    converted dtype; a second convert into the same folder is refused."""
+    import jax
+
+    from paged_jax.models.loader import load_model
+    from paged_jax.parallel import load_for_serving
+    from paged_jax.parallel.checkpoint import convert
+
+    src = hf_model_dir(variant)
+    ckpt = convert(src, tmp_path / "ckpt", dtype)
+    config, params, mesh = load_for_serving(ckpt, "auto", 1)
+    want_config, want = load_model(src, dtype)
+    assert config == want_config and mesh.shape == {"tp": 1}
+    got_leaves, got_tree = jax.tree_util.tree_flatten(params)
+    want_leaves, want_tree = jax.tree_util.tree_flatten(want)
+    assert got_tree == want_tree
+    for g, w in zip(got_leaves, want_leaves):
+        assert g.dtype == w.dtype == jax.numpy.dtype(want_config.dtype)
+        np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    with pytest.raises(ValueError, match="exists and is not empty"):
+        convert(src, ckpt)
