@@ -126,6 +126,17 @@ def test_models_and_health(server):
     assert httpx.get(server.url + "/health").status_code == 200
 
 
+@pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
+def test_idle_server_does_not_spin(server):
+    def cpu_seconds():
+        fields = Path(f"/proc/{server.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+    before = cpu_seconds()
+    time.sleep(1.0)
+    assert cpu_seconds() - before < 0.2
+
+
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_completion_greedy_matches_llm(server, llm, prompt):
     want = generate(llm, prompt, temperature=0, max_tokens=12)

@@ -131,13 +131,21 @@ class OpenAIServing:
                     if await raw.is_disconnected():
                         return  # the finally clause aborts
                     continue
-                if isinstance(item, BaseException):
-                    raise APIError(f"the engine failed: {item}", 503) from None
-                err = self._rejection(item, field)
-                if err is not None:
-                    raise err
-                remaining -= item.finished
-                yield i, item
+                # Outputs are cumulative: when this connection fell behind, only the latest per prompt matters.
+                latest = {i: item}
+                while not sink.empty():
+                    j, more = sink.get_nowait()
+                    latest[j] = more
+                    if isinstance(more, BaseException):
+                        break
+                for i, item in latest.items():
+                    if isinstance(item, BaseException):
+                        raise APIError(f"the engine failed: {item}", 503) from None
+                    err = self._rejection(item, field)
+                    if err is not None:
+                        raise err
+                    remaining -= item.finished
+                    yield i, item
         finally:
             self._abort(streams)
 
