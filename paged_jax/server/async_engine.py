@@ -75,6 +75,8 @@ class AsyncLLMEngine:
     ``on_prompt(num_tokens)`` per accepted request.
     """
 
+    STATS_INTERVAL_S = 0.1  # how often a busy engine refreshes ``stats`` (for /metrics)
+
     def __init__(self, engine, metrics=None):
         self.engine = engine
         self.metrics = metrics
@@ -84,6 +86,7 @@ class AsyncLLMEngine:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.error: Optional[BaseException] = None
         self.stats: dict = engine.get_stats()  # snapshot, replaced (never mutated) by the engine thread
+        self._stats_time = time.monotonic()
 
     # ---- lifecycle (event loop side) ---------------------------------------------
     def start(self, loop: Optional[asyncio.AbstractEventLoop] = None) -> None:
@@ -160,7 +163,10 @@ class AsyncLLMEngine:
                     self._fail_all(EngineDeadError(f"engine step failed: {exc!r}"))
                     continue
                 self._deliver(outputs)
-            self.stats = engine.get_stats()
+            # get_stats() walks the block tables: refresh the snapshot a few times a second, and when idle.
+            now = time.monotonic()
+            if now - self._stats_time >= self.STATS_INTERVAL_S or not engine.has_unfinished_requests():
+                self.stats, self._stats_time = engine.get_stats(), now
 
     def _handle(self, cmd: tuple) -> None:
         if cmd[0] == "abort":
