@@ -70,7 +70,8 @@ def cmd_serve(a) -> int:
         with open(template) as f:
             template = f.read()
     run_server(_llm(a).llm_engine, host=a.host, port=a.port, api_key=a.api_key or os.environ.get("PAGED_JAX_API_KEY"),
-               served_model_name=a.served_model_name, chat_template=template, log_level=a.log_level)
+               served_model_name=a.served_model_name, chat_template=template, log_level=a.log_level,
+               access_log=not a.disable_uvicorn_access_log)
     return 0
 
 
@@ -93,6 +94,7 @@ def main(argv=None) -> int:
     s.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
     s.add_argument("--chat-template", default=None, help="Jinja chat template (text or file) if the tokenizer has none")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
     t = sub.add_parser("make-tiny", help="write a tiny random HF model folder (llama, opt or gpt2) offline")
     t.add_argument("rest", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)

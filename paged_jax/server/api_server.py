@@ -143,10 +143,10 @@ def build_app(engine, served_model_name: str, api_key: Optional[str] = None,
 
 def run_server(engine, host: str = "127.0.0.1", port: int = 8000, api_key: Optional[str] = None,
                served_model_name: Optional[str] = None, chat_template: Optional[str] = None,
-               log_level: str = "info") -> None:
+               log_level: str = "info", access_log: bool = True) -> None:
     import uvicorn
 
     name = served_model_name or str(engine.args.model or "paged-jax-tiny")
     app = build_app(engine, name, api_key, chat_template)
     logger.warning("serving %r on http://%s:%d (OpenAI API under /v1)", name, host, port)
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=host, port=port, log_level=log_level, access_log=access_log, timeout_graceful_shutdown=5)
