@@ -29,6 +29,21 @@ from paged_jax.server.responses import ChoiceState, chat_logprobs, completion_lo
 _FIELD_RE = re.compile(r"^(\w+)")
 
 
+class _AbortOnCloseResponse(StreamingResponse):
+    """Server-sent events that abort the requests behind them however the response ends: Starlette
+    cancels the sending task on a disconnect, which need not pass through the body generator."""
+
+    def __init__(self, content, on_close, **kw):
+        super().__init__(content, **kw)
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
 class OpenAIServing:
     def __init__(self, engine: AsyncLLMEngine, tokenizer, model_name: str, max_model_len: int,
                  chat_template: Optional[str] = None, disconnect_poll_s: float = 0.5):
@@ -179,7 +194,7 @@ class OpenAIServing:
                 await outputs.aclose()  # aborts unfinished requests when the client disconnects
             yield "data: [DONE]\n\n"
 
-        return StreamingResponse(events(), media_type="text/event-stream")
+        return _AbortOnCloseResponse(events(), lambda: self._abort(streams), media_type="text/event-stream")
 
     async def _stream_choices(self, first, outputs, params: SamplingParams, make_chunk, usage_chunk):
         """Shared streaming loop: per prompt and choice, the text and tokens not sent yet."""
