@@ -263,6 +263,30 @@ def test_chat_errors(server):
     assert (status, err["param"], err["code"]) == (404, "model", "model_not_found") and "gpt-4" in err["message"]
 
 
+def test_body_must_be_json(server):
+    r = httpx.post(server.url + "/v1/completions", content=json.dumps({"model": MODEL, "prompt": "hi"}),
+                   headers={"content-type": "text/plain"})
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"]
+    r = httpx.get(server.url + "/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["message"] == "Method Not Allowed"
+
+
+def test_chat_template_option_and_text_parts(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    from paged_jax.server.protocol import APIError, ChatCompletionRequest
+    from paged_jax.server.serving import OpenAIServing
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    tok.chat_template = None
+    req = ChatCompletionRequest(model=MODEL, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}])
+    with pytest.raises(APIError, match="no chat template"):
+        OpenAIServing(None, tok, MODEL, 64)._render_chat(req)
+    template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
+    assert OpenAIServing(None, tok, MODEL, 64, chat_template=template)._render_chat(req) == "<user>Hi\nthere"
+
+
 def test_openai_client_sees_errors(server):
     with pytest.raises(openai.BadRequestError) as e:
         client(server).completions.create(model=MODEL, prompt="hi", max_tokens=-1)

@@ -55,6 +55,8 @@ def _validation_error(exc: RequestValidationError) -> APIError:
         detail = (first.get("ctx") or {}).get("error", "")
         return APIError(f"Malformed JSON in the request body: {detail}".rstrip(": "), 400)
     loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    if not loc and isinstance(first.get("input"), (bytes, str)):
+        return APIError("The request body was not read as JSON: send it with 'Content-Type: application/json'.", 400)
     if not loc:
         return APIError(f"The request body must be a JSON object, got {first.get('input')!r:.200}", 400)
     field = loc[0]

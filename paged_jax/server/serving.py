@@ -83,6 +83,9 @@ class OpenAIServing:
             params = SamplingParams(**kw)  # the one place values are validated
         except ValueError as exc:
             raise APIError(str(exc), 400, param=self._field_of(str(exc), rename)) from None
+        if req.stream and params.use_beam_search:
+            raise APIError("stream=true is not supported with use_beam_search: beams are rewritten until the end",
+                           400, param="stream")
         if req.stream and params.best_of != params.n:
             raise APIError(f"best_of must equal n when streaming (got n={params.n}, best_of={params.best_of}): "
                            "the best samples are known only at the end", 400, param="best_of")
