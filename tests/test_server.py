@@ -123,7 +123,27 @@ PROMPTS = ["Hello, my name is", "The capital of France is"]
 # ---- completions -------------------------------------------------------------------
 def test_models_and_health(server):
     assert [m.id for m in client(server).models.list().data] == [MODEL]
+    assert client(server).models.retrieve(MODEL).id == MODEL
+    assert httpx.get(server.url + "/v1/models/other").status_code == 404
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_metrics_are_prometheus_text(server):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client(server).completions.create(model=MODEL, prompt="metrics", max_tokens=3, temperature=0)
+    r = httpx.get(server.url + "/metrics")
+    assert r.headers["content-type"].startswith("text/plain")
+    families = {f.name: f for f in text_string_to_metric_families(r.text)}
+    for name in ("num_requests_running", "num_requests_waiting", "num_requests_swapped", "kv_cache_usage_perc",
+                 "num_free_gpu_blocks", "num_total_gpu_blocks"):
+        assert families["paged_jax_" + name].type == "gauge"
+    for name in ("num_preemptions", "generation_tokens", "prompt_tokens", "request_success", "request_aborted"):
+        assert families["paged_jax_" + name].type == "counter"
+    for name in ("time_to_first_token_seconds", "inter_token_latency_seconds", "e2e_request_latency_seconds"):
+        assert families["paged_jax_" + name].type == "histogram"
+    count = {s.name: s.value for s in families["paged_jax_inter_token_latency_seconds"].samples}
+    assert count["paged_jax_inter_token_latency_seconds_count"] >= 2  # 3 tokens: two gaps at least
 
 
 @pytest.mark.skipif(not Path("/proc/self/stat").exists(), reason="needs Linux /proc")
