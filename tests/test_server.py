@@ -224,6 +224,24 @@ def test_completion_logprobs_match_llm(server, llm):
     assert got.text_offset == [sum(len(t) for t in got.tokens[:i]) for i in range(len(got.tokens))]
 
 
+def test_echo_with_prompt_logprobs_matches_llm(server, llm):
+    want = generate(llm, PROMPTS[1], temperature=0, max_tokens=4, logprobs=2, prompt_logprobs=2)
+    ids = want.prompt_token_ids
+    got = client(server).completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0,
+                                            logprobs=2, echo=True).choices[0]
+    assert got.text == PROMPTS[1] + want.outputs[0].text
+    lp = got.logprobs
+    assert len(lp.tokens) == len(ids) + 4
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # nothing predicts the first token
+    want_prompt = [e[t] for t, e in zip(ids[1:], want.prompt_logprobs[1:])]
+    want_out = [e[t] for t, e in zip(want.outputs[0].token_ids, want.outputs[0].logprobs)]
+    assert lp.token_logprobs[1:] == pytest.approx(want_prompt + want_out, abs=1e-5)
+    streamed = list(client(server).completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=4, temperature=0,
+                                                      echo=True, stream=True))
+    assert streamed[0].choices[0].text.startswith(PROMPTS[1])
+    assert "".join(c.choices[0].text for c in streamed) == got.text
+
+
 # ---- chat --------------------------------------------------------------------------
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name a colour."}]
 

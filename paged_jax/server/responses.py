@@ -22,7 +22,7 @@ class ChoiceState:
         self.text_sent = 0
         self.token_ids: list[int] = []
         self.finished = False
-        self.sent_role = False  # chat: the first chunk carries the role
+        self.sent_role = False  # the first chunk was sent (chat: it carries the role; echo: the prompt)
         self.offset0 = 0  # completions logprobs: text offset of the next token
 
     @property
@@ -85,6 +85,26 @@ def completion_logprobs(tokenizer, c: CompletionOutput, top: int, start: int = 0
         res["text_offset"].append(offset)
         offset += len(s)
     return res, offset
+
+
+def prompt_logprobs_legacy(tokenizer, prompt_ids: list[int], prompt_logprobs, top: int) -> tuple[dict, int]:
+    """echo=true with logprobs: the prompt's tokens in the legacy shape (None where nothing predicts a token)."""
+    res = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = 0
+    for k, tid in enumerate(prompt_ids):
+        entry = prompt_logprobs[k] if prompt_logprobs is not None and k < len(prompt_logprobs) else None
+        s = _token(tokenizer, tid)
+        res["tokens"].append(s)
+        res["token_logprobs"].append(None if entry is None else max(entry[tid], _MIN_LOGPROB))
+        res["top_logprobs"].append(None if entry is None else
+                                   {_token(tokenizer, t): max(v, _MIN_LOGPROB) for t, v in _top(entry, top)})
+        res["text_offset"].append(offset)
+        offset += len(s)
+    return res, offset
+
+
+def merge_logprobs(a: Optional[dict], b: dict) -> dict:
+    return b if a is None else {k: a[k] + b[k] for k in a}
 
 
 def chat_logprobs(tokenizer, c: CompletionOutput, top: int, start: int = 0) -> dict:

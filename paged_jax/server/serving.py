@@ -24,7 +24,8 @@ from paged_jax.outputs import CompletionOutput, RequestOutput
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.server.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from paged_jax.server.protocol import SAMPLING_FIELDS, APIError, ChatCompletionRequest, CompletionRequest
-from paged_jax.server.responses import ChoiceState, chat_logprobs, completion_logprobs, sse
+from paged_jax.server.responses import (ChoiceState, chat_logprobs, completion_logprobs, merge_logprobs,
+                                        prompt_logprobs_legacy, sse)
 
 _FIELD_RE = re.compile(r"^(\w+)")
 
@@ -75,10 +76,11 @@ class OpenAIServing:
         return name if name in SAMPLING_FIELDS + ("logprobs", "prompt") else None
 
     def _sampling_params(self, req, max_tokens: Optional[int], logprobs: Optional[int],
-                         rename: Optional[dict] = None) -> SamplingParams:
+                         rename: Optional[dict] = None, prompt_logprobs: Optional[int] = None) -> SamplingParams:
         kw = {f: getattr(req, f) for f in SAMPLING_FIELDS if getattr(req, f) is not None}
         kw["max_tokens"] = max_tokens
         kw["logprobs"] = logprobs
+        kw["prompt_logprobs"] = prompt_logprobs
         try:
             params = SamplingParams(**kw)  # the one place values are validated
         except ValueError as exc:
@@ -214,7 +216,7 @@ class OpenAIServing:
             prompt_tokens[i] = len(out.prompt_token_ids)
             slots = states.setdefault(i, [ChoiceState(i * params.n + k) for k in range(params.n)])
             for slot, c in ChoiceState.align(slots, out.outputs):
-                chunk = make_chunk(slot, c, slot.take(c, hold))
+                chunk = make_chunk(slot, c, slot.take(c, hold), out)
                 if chunk is not None:
                     yield chunk
         if usage_chunk is not None:
@@ -228,11 +230,10 @@ class OpenAIServing:
     # ---- /v1/completions ----------------------------------------------------------------
     async def completion(self, req: CompletionRequest, raw: Request):
         self.check_model(req.model)
-        if req.echo:
-            raise APIError("echo is not supported by this server", 400, param="echo")
         if req.suffix:
             raise APIError("suffix is not supported by this server", 400, param="suffix")
-        params = self._sampling_params(req, req.max_tokens, req.logprobs)
+        params = self._sampling_params(req, req.max_tokens, req.logprobs,
+                                       prompt_logprobs=req.logprobs if req.echo else None)
         prompts = self._completion_prompts(req.prompt)
         for _, ids in prompts:
             self._check_length(len(ids), params.max_tokens, "prompt")
@@ -240,22 +241,39 @@ class OpenAIServing:
         head = {"id": rid, "object": "text_completion", "created": created, "model": self.model_name}
         top = params.logprobs
 
+        def echo_prefix(out: RequestOutput) -> tuple[str, Optional[dict], int]:
+            """echo=true: the prompt's text, its tokens' logprobs and the text offset after them."""
+            text = out.prompt if out.prompt is not None else self.tokenizer.decode(out.prompt_token_ids)
+            if top is None:
+                return text, None, 0
+            return (text, *prompt_logprobs_legacy(self.tokenizer, out.prompt_token_ids, out.prompt_logprobs, top))
+
+        def text_and_logprobs(out: RequestOutput, c: CompletionOutput) -> tuple[str, Optional[dict]]:
+            prefix, lp, offset = echo_prefix(out) if req.echo else ("", None, 0)
+            if top is not None:
+                lp = merge_logprobs(lp, completion_logprobs(self.tokenizer, c, top, 0, offset)[0])
+            return prefix + c.text, lp
+
         def full(finals: list[RequestOutput]) -> dict:
-            choices = [{"index": i * params.n + c.index, "text": c.text, "finish_reason": c.finish_reason,
-                        "stop_reason": c.stop_reason,
-                        "logprobs": None if top is None else completion_logprobs(self.tokenizer, c, top)[0]}
-                       for i, out in enumerate(finals) for c in out.outputs]
+            choices = [{"index": i * params.n + c.index, "text": text, "finish_reason": c.finish_reason,
+                        "stop_reason": c.stop_reason, "logprobs": lp}
+                       for i, out in enumerate(finals) for c in out.outputs for text, lp in [text_and_logprobs(out, c)]]
             n_out = sum(len(c.token_ids) for out in finals for c in out.outputs)
             return {**head, "choices": choices,
                     "usage": self._usage(sum(len(o.prompt_token_ids) for o in finals), n_out)}
 
-        def chunk(slot: ChoiceState, c: CompletionOutput, delta) -> Optional[dict]:
+        def chunk(slot: ChoiceState, c: CompletionOutput, delta, out: RequestOutput) -> Optional[dict]:
             text, start, finish = delta
-            if not text and finish is None and (top is None or start == len(c.token_ids)):
-                return None
             lp = None
+            if req.echo and not slot.sent_role:  # the first chunk of a choice starts with the prompt
+                prefix, lp, slot.offset0 = echo_prefix(out)
+                text = prefix + text
+            slot.sent_role = True
+            if not text and lp is None and finish is None and (top is None or start == len(c.token_ids)):
+                return None
             if top is not None:
-                lp, slot.offset0 = completion_logprobs(self.tokenizer, c, top, start, slot.offset0)
+                new, slot.offset0 = completion_logprobs(self.tokenizer, c, top, start, slot.offset0)
+                lp = merge_logprobs(lp, new)
             return {**head, "choices": [{"index": slot.index, "text": text, "logprobs": lp, "finish_reason": finish,
                                          "stop_reason": c.stop_reason if finish else None}], **usage_none}
 
@@ -309,7 +327,7 @@ class OpenAIServing:
             return {**head, "choices": choices,
                     "usage": self._usage(len(out.prompt_token_ids), sum(len(c.token_ids) for c in out.outputs))}
 
-        def chunk(slot: ChoiceState, c: CompletionOutput, delta) -> Optional[dict]:
+        def chunk(slot: ChoiceState, c: CompletionOutput, delta, out: RequestOutput) -> Optional[dict]:
             text, start, finish = delta
             first = not slot.sent_role
             if not first and not text and finish is None and (top is None or start == len(c.token_ids)):
