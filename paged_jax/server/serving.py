@@ -11,7 +11,6 @@ text never has to be taken back.
 from __future__ import annotations
 
 import asyncio
-import json
 import re
 import time
 import uuid
