@@ -27,6 +27,7 @@ from paged_jax.server.responses import (ChoiceState, chat_logprobs, completion_l
                                         prompt_logprobs_legacy, sse)
 
 _FIELD_RE = re.compile(r"^(\w+)")
+_DISCONNECTED = object()  # put in a request's output queue when its client goes away
 
 
 class _AbortOnCloseResponse(StreamingResponse):
@@ -138,25 +139,27 @@ class OpenAIServing:
             return APIError(out.finish_message, 400, param=name or field)
         return None
 
-    async def _outputs(self, sink: asyncio.Queue, streams: list[RequestStream], field: str,
-                       raw: Optional[Request] = None) -> AsyncIterator[tuple[int, RequestOutput]]:
+    async def _watch_disconnect(self, raw: Request, sink: asyncio.Queue) -> None:
+        """Tell the output loop when the client goes away (Starlette only notices that by itself while
+        a streaming response is being sent)."""
+        while not await raw.is_disconnected():
+            await asyncio.sleep(self.disconnect_poll_s)
+        sink.put_nowait((-1, _DISCONNECTED))
+
+    async def _outputs(self, sink: asyncio.Queue, streams: list[RequestStream],
+                       field: str) -> AsyncIterator[tuple[int, RequestOutput]]:
         """(prompt index, output) as they come; raises APIError; aborts everything left on any exit."""
         remaining = len(streams)
         try:
             while remaining:
-                try:
-                    i, item = await asyncio.wait_for(sink.get(), self.disconnect_poll_s if raw else None)
-                except asyncio.TimeoutError:
-                    if await raw.is_disconnected():
-                        return  # the finally clause aborts
-                    continue
+                i, item = await sink.get()
                 # Outputs are cumulative: when this connection fell behind, only the latest per prompt matters.
                 latest = {i: item}
-                while not sink.empty():
-                    j, more = sink.get_nowait()
-                    latest[j] = more
-                    if isinstance(more, BaseException):
-                        break
+                while not sink.empty() and not isinstance(item, BaseException) and item is not _DISCONNECTED:
+                    i, item = sink.get_nowait()
+                    latest[i] = item
+                if _DISCONNECTED in latest.values():
+                    return  # the finally clause aborts
                 for i, item in latest.items():
                     if isinstance(item, BaseException):
                         raise APIError(f"the engine failed: {item}", 503) from None
@@ -172,21 +175,24 @@ class OpenAIServing:
                        render_full, render_chunks):
         """Run the prompts; JSON for stream=false, server-sent events for stream=true."""
         sink, streams = await self._submit(request_id, prompts, params, field)
-        if not req.stream:
-            finals: list[Optional[RequestOutput]] = [None] * len(streams)
-            async for i, out in self._outputs(sink, streams, field, raw):
-                finals[i] = out
-            if any(f is None for f in finals):  # the client went away
-                return JSONResponse(APIError("client disconnected", 400).body(), 400)
-            return JSONResponse(render_full(finals))
-        outputs = self._outputs(sink, streams, field, raw)
-        try:  # the first output before the headers, so a rejected request still gets its HTTP status
+        gone = JSONResponse(APIError("client disconnected", 400).body(), 400)
+        watcher = asyncio.create_task(self._watch_disconnect(raw, sink))
+        outputs = self._outputs(sink, streams, field)
+        try:
+            if not req.stream:
+                finals: list[Optional[RequestOutput]] = [None] * len(streams)
+                async for i, out in outputs:
+                    finals[i] = out
+                return gone if any(f is None for f in finals) else JSONResponse(render_full(finals))
+            # The first output before the headers, so a rejected request still gets its HTTP status.
             first = await outputs.__anext__()
         except StopAsyncIteration:
-            return JSONResponse(APIError("client disconnected", 400).body(), 400)
+            return gone
         except BaseException:
             await outputs.aclose()
             raise
+        finally:
+            watcher.cancel()
 
         async def events():
             try:
