@@ -91,8 +91,11 @@ class ServerMetrics:
             stream.num_tokens = num
         if out.finished:
             self.e2e.observe(now - stream.arrival_time)
-            reason = out.outputs[0].finish_reason if out.outputs else None
-            self.finished.labels(reason or "abort").inc()
+            if out.finish_message and num == 0:
+                reason = "rejected"  # the engine could not run it (e.g. best_of > max_num_seqs)
+            else:
+                reason = out.outputs[0].finish_reason if out.outputs else None
+            self.finished.labels(reason or "unknown").inc()
 
     def render(self) -> tuple[bytes, str]:
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
