@@ -1,4 +1,5 @@
-"""``paged-jax`` command line: ``generate`` (the main job), ``convert`` and ``make-tiny``."""
+"""``paged-jax`` command line: ``generate`` (the main job), ``serve`` (OpenAI-compatible server),
+``convert`` and ``make-tiny``."""
 
 from __future__ import annotations
 
@@ -62,6 +63,21 @@ def cmd_generate(a) -> int:
     return 0
 
 
+def cmd_serve(a) -> int:
+    import os
+
+    from paged_jax.server.api_server import run_server
+
+    template = a.chat_template
+    if template and os.path.isfile(template):
+        with open(template) as f:
+            template = f.read()
+    run_server(_llm(a).llm_engine, host=a.host, port=a.port, api_key=a.api_key or os.environ.get("PAGED_JAX_API_KEY"),
+               served_model_name=a.served_model_name, chat_template=template, log_level=a.log_level,
+               access_log=not a.disable_uvicorn_access_log)
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="paged-jax", description="PagedAttention / vLLM-style serving in JAX")
     sub = ap.add_subparsers(dest="cmd", required=True)
@@ -76,6 +92,16 @@ def main(argv=None) -> int:
     c.add_argument("--model", required=True, help="HF model folder (config.json + safetensors + tokenizer)")
     c.add_argument("--out", required=True, help="new folder for the checkpoint (use it as --model later)")
     c.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    s = sub.add_parser("serve", help="serve the model with the OpenAI API (completions, chat, streaming)")
+    _engine_args(s)
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default: loopback only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 "
+                   "(default: $PAGED_JAX_API_KEY, else no key)")
+    s.add_argument("--served-model-name", default=None, help="the model name clients send (default: --model)")
+    s.add_argument("--chat-template", default=None, help="Jinja chat template (text or file) if the tokenizer has none")
+    s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
+    s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
     t = sub.add_parser("make-tiny", help="write a tiny random HF model folder (llama, opt or gpt2) offline")
     t.add_argument("rest", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
@@ -89,7 +115,10 @@ def main(argv=None) -> int:
 
         print(f"wrote {convert(a.model, a.out, a.dtype)}")
         return 0
-    logging.basicConfig(level=logging.INFO if a.verbose else logging.WARNING, format="%(levelname)s %(message)s")
+    logging.basicConfig(level=logging.INFO if getattr(a, "verbose", False) else logging.WARNING,
+                        format="%(levelname)s %(message)s")
+    if a.cmd == "serve":
+        return cmd_serve(a)
     return cmd_generate(a)
 
 

@@ -1,0 +1,99 @@
+"""OpenAI API request bodies (pydantic, strict types) and the OpenAI error shape.
+
+Only types are checked here; value ranges are checked once, by
+``SamplingParams`` (see ``serving.py``). Strict mode rejects ``"16"`` for an
+int and ``true`` for a number, as ``SamplingParams`` does. Fields OpenAI has
+and this server does not implement are accepted only at their neutral value.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class APIError(Exception):
+    """An error returned to the client as ``{"error": {"message", "type", "param", "code"}}``."""
+
+    TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+             405: "invalid_request_error", 413: "invalid_request_error", 500: "internal_server_error",
+             503: "service_unavailable"}
+
+    def __init__(self, message: str, status: int = 400, param: Optional[str] = None,
+                 type: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.message, self.status, self.param, self.code = message, status, param, code
+        self.type = type or self.TYPES.get(status, "invalid_request_error")
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class _Request(BaseModel):
+    # Unknown fields are ignored (as OpenAI and vLLM do); known ones must have the right type.
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class StreamOptions(_Request):
+    include_usage: bool = False
+
+
+class _SamplingFields(_Request):
+    """Fields shared by completions and chat completions (OpenAI's, then vLLM's extras)."""
+
+    model: str
+    n: int = 1
+    best_of: Optional[int] = None
+    max_tokens: Optional[int] = None
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    presence_penalty: Optional[float] = None
+    frequency_penalty: Optional[float] = None
+    stop: Union[str, list[str], None] = None
+    seed: Optional[int] = None
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    logit_bias: Optional[dict[str, float]] = None
+    # vLLM extensions
+    top_k: Optional[int] = None
+    min_p: Optional[float] = None
+    repetition_penalty: Optional[float] = None
+    min_tokens: Optional[int] = None
+    stop_token_ids: Optional[list[int]] = None
+    ignore_eos: Optional[bool] = None
+    skip_special_tokens: Optional[bool] = None
+    include_stop_str_in_output: Optional[bool] = None
+    use_beam_search: Optional[bool] = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+    max_tokens: Optional[int] = 16  # OpenAI's default for completions
+    logprobs: Optional[int] = None
+    echo: bool = False
+    suffix: Optional[str] = None
+
+
+class ChatMessage(_Request):
+    model_config = ConfigDict(strict=True, extra="allow")  # e.g. "name", tool fields: passed to the template
+    role: str
+    content: Union[str, list[dict[str, Any]], None] = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: Optional[int] = None
+    logprobs: bool = False
+    top_logprobs: Optional[int] = None
+    add_generation_prompt: bool = True
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    response_format: Optional[dict[str, Any]] = None
+    tools: Optional[list[dict[str, Any]]] = None
+    tool_choice: Union[Literal["none", "auto", "required"], dict[str, Any], None] = None
+
+
+SAMPLING_FIELDS = ("n", "best_of", "max_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty",
+                   "stop", "seed", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids",
+                   "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "use_beam_search")
