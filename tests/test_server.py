@@ -177,6 +177,16 @@ def test_completion_token_ids_and_batch(server, llm):
     assert [c.text for c in sorted(batch.choices, key=lambda c: c.index)] == want
 
 
+def test_beam_search_matches_llm(server, llm):
+    kw = dict(n=3, best_of=3, use_beam_search=True, temperature=0, max_tokens=8, length_penalty=0.5,
+              early_stopping=True)
+    want = generate(llm, PROMPTS[0], **kw)
+    got = client(server).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=8, temperature=0, n=3,
+                                            best_of=3, extra_body=dict(use_beam_search=True, length_penalty=0.5,
+                                                                       early_stopping=True))
+    assert [c.text for c in sorted(got.choices, key=lambda c: c.index)] == [o.text for o in want.outputs]
+
+
 def test_completion_stream_matches_llm(server, llm):
     want = generate(llm, PROMPTS[1], temperature=0, max_tokens=12)
     chunks = list(client(server).completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=12, temperature=0,

@@ -66,6 +66,8 @@ class _SamplingFields(_Request):
     skip_special_tokens: Optional[bool] = None
     include_stop_str_in_output: Optional[bool] = None
     use_beam_search: Optional[bool] = None
+    length_penalty: Optional[float] = None
+    early_stopping: Union[bool, Literal["never"], None] = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -96,4 +98,5 @@ class ChatCompletionRequest(_SamplingFields):
 
 SAMPLING_FIELDS = ("n", "best_of", "max_tokens", "temperature", "top_p", "presence_penalty", "frequency_penalty",
                    "stop", "seed", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids",
-                   "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "use_beam_search")
+                   "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "use_beam_search",
+                   "length_penalty", "early_stopping")
