@@ -181,7 +181,7 @@ class LLMEngine:
         group = self._groups[rid]
         while not group.is_finished():
             # Other requests' outputs from these steps are handed out by the next step().
-            self._pending_outputs += self.step()
+            self._pending_outputs = self.step()  # step() hands back the pending ones it does not supersede
         handle = self._prefix_requests.pop(rid)
         if handle is None:
             raise ValueError(f"prefix could not be computed: {group.finish_message or 'it was not run'}")
@@ -299,22 +299,25 @@ class LLMEngine:
             hyps = sorted((s for s in group.seqs if s.beam_score is not None), key=lambda s: -s.beam_score)
         dropped = {s.seq_id for s in hyps[state.width:]}
 
-        # The next beams: a parent chosen once goes on itself, twice or more is forked first.
-        plan, taken = [], set()
-        for c in ([] if d.done else d.running):
+        # The next beams: a parent chosen once goes on itself, twice or more is forked first;
+        # parents nobody chose are freed before that, so their blocks can serve the forks.
+        running = [] if d.done else d.running
+        taken = {c.parent for c in running}
+        for b, parent in enumerate(beams):
+            if b not in taken:
+                self.scheduler.free_seq(parent)
+                dropped.add(parent.seq_id)
+        plan, continued = [], set()
+        for c in running:
             parent = beams[c.parent]
-            if c.parent in taken:
+            if c.parent in continued:
                 child = parent.fork(next(self._seq_counter))
                 self._fork_copies += self.block_manager.fork(parent, child)
                 group.add(child)
                 plan.append((child, c))
             else:
-                taken.add(c.parent)
+                continued.add(c.parent)
                 plan.append((parent, c))
-        for b, parent in enumerate(beams):
-            if b not in taken:
-                self.scheduler.free_seq(parent)
-                dropped.add(parent.seq_id)
         for seq, c in plan:
             extend(seq, c)
         group.seqs = [s for s in group.seqs if s.seq_id not in dropped]
@@ -368,9 +371,14 @@ class LLMEngine:
         seqs = group.get_seqs()
         finished = group.is_finished()
         if group.beam is not None:
-            # Finished: the best hypotheses by length-penalised score; meanwhile the best running beams.
-            key = (lambda s: -s.beam_score) if finished else (lambda s: -s.cumulative_logprob)
-            seqs = sorted((s for s in seqs if finished or not s.is_finished()), key=key)[: p.n]
+            # Finished: the best hypotheses by length-penalised score; meanwhile (or when the request
+            # ended early, before any hypothesis) the best beams by cumulative logprob.
+            hyps = [s for s in seqs if s.beam_score is not None]
+            if finished and hyps:
+                seqs = sorted(hyps, key=lambda s: -s.beam_score)[: p.n]
+            else:
+                seqs = sorted([s for s in seqs if s.beam_score is None],
+                              key=lambda s: -s.cumulative_logprob)[: p.n]
         elif len(seqs) > 1 and finished:
             # best_of > n: the n samples with the highest cumulative logprob.
             seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: p.n]

@@ -91,6 +91,7 @@ def _decode_kernel(scale_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref
         s = pl.dot(q, k, trans_b=True, precision=precision) * scale  # [Gp, chunk] f32
         pos = (first_page + c * pages_per_chunk) * block_size + jnp.arange(chunk, dtype=jnp.int32)
         s = jnp.where((pos < length)[None, :], s, _NEG)
+        v = jnp.where((pos < length)[:, None], v, 0)  # a stale Inf/NaN in an unused slot must not reach p @ v
         m_new = jnp.maximum(m, s.max(axis=-1))
         alpha = jnp.exp(m - m_new)
         p = jnp.exp(s - m_new[:, None])

@@ -61,6 +61,7 @@ def _prefill_kernel(scale_ref, len_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref, o
         k_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
         visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < length)
         s = jnp.where(visible, s, _NEG)
+        v = jnp.where((k_pos < length)[:, None], v, 0)  # a stale Inf/NaN in an unused slot must not reach p @ v
         m_new = jnp.maximum(m, s.max(axis=-1))
         alpha = jnp.exp(m - m_new)
         p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)  # rows that see nothing stay at 0

@@ -149,3 +149,31 @@ def test_without_block_sharing_same_beams_more_blocks(case):
         assert_all_free(llm)
         peaks[sharing] = peak
     assert peaks[True] < peaks[False]
+
+
+def test_beam_requests_ended_early_give_outputs_and_engine_runs_on(tiny_llama_dir):
+    """Rejected or aborted beam searches end with a message; the step does not fail."""
+    llm = LLM(model=str(tiny_llama_dir), block_size=4, num_kv_blocks=12, max_model_len=32, max_num_seqs=4,
+              swap_space=0, enable_chunked_prefill=True, max_num_batched_tokens=16)
+    beam = lambda w: SamplingParams(n=w, best_of=w, use_beam_search=True, temperature=0, max_tokens=24,
+                                    ignore_eos=True)
+    outs = llm.generate(prompt_token_ids=[list(range(3, 43)), [5, 6, 7], list(range(3, 20)), [8, 9]],
+                        sampling_params=[beam(2), beam(8), beam(4), SamplingParams(temperature=0, max_tokens=4)],
+                        use_tqdm=False)
+    assert "max_model_len" in outs[0].finish_message and outs[0].finished
+    assert "max_num_seqs" in outs[1].finish_message
+    assert outs[2].finished  # width 4 without swap space outgrows 11 blocks: aborted, or finishes
+    assert len(outs[3].outputs[0].token_ids) == 4
+    assert_all_free(llm)
+
+
+def test_beam_logprobs_give_the_requested_width(case):
+    path, _, prompts, _ = case
+    llm = LLM(model=str(path), block_size=4, num_kv_blocks=128)
+    p = SamplingParams(n=2, best_of=2, use_beam_search=True, temperature=0, max_tokens=4, logprobs=6,
+                       ignore_eos=True)
+    out = llm.generate(prompt_token_ids=[prompts[1]], sampling_params=p, use_tqdm=False)[0]
+    for c in out.outputs:
+        assert len(c.logprobs) == len(c.token_ids)
+        for tok, entry in zip(c.token_ids, c.logprobs):
+            assert tok in entry and len(entry) >= 6

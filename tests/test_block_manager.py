@@ -113,6 +113,23 @@ def test_allocate_diverged_siblings_share_common_full_blocks():
     bm.check_invariants()
 
 
+def test_recomputed_siblings_count_each_cached_block_once():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=0, watermark=0.0, enable_prefix_caching=True)
+    prompt = list(range(10, 26))  # 4 full blocks, computed, registered, then freed: evictable
+    first = admit(bm, prompt)
+    bm.mark_blocks_computed(first.seqs[0])
+    bm.free(first.seqs[0])
+    group = make_group(prompt, n=2)
+    group.seqs[0].output_token_ids.extend([1, 2, 3])
+    group.seqs[1].output_token_ids.extend([4, 5, 6])
+    assert bm._num_new_blocks(group.seqs) == 4 + 2  # the 4 cached blocks once, one tail block each
+    assert bm.get_num_free_gpu_blocks() == 7 and bm.can_allocate(group) is AllocStatus.OK
+    bm.allocate(group)
+    assert bm.get_num_free_gpu_blocks() == 1
+    assert all(s.num_computed_tokens == 16 for s in group.seqs)
+    bm.check_invariants()
+
+
 def test_allocate_errors_leave_state_unchanged():
     bm = BlockManager(block_size=4, num_gpu_blocks=3, num_cpu_blocks=0, watermark=0.0)
     with pytest.raises(NoFreeBlocksError, match="allocate needs 3 free blocks in the gpu pool, 2 are free"):

@@ -89,7 +89,9 @@ def test_add_prefix_while_requests_run_loses_no_output(tiny_llama_dir):
     handle = engine.add_prefix(prompt_token_ids=list(range(20, 41)))  # "a" finishes during these steps
     finals = []
     while engine.has_unfinished_requests():
-        finals += [o for o in engine.step() if o.finished]
+        outs = engine.step()
+        assert len({o.request_id for o in outs}) == len(outs), "one output per request and step"
+        finals += [o for o in outs if o.finished]
     assert [o.request_id for o in finals] == ["a"] and len(finals[0].outputs[0].token_ids) == 2
     llm.release_prefix(handle)
     assert_all_free(llm)

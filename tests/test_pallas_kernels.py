@@ -471,3 +471,26 @@ def test_bench_kernel_gpu_variants_lower_for_cuda():
         for name in ("paged Pallas kernel", "contiguous Pallas kernel"):
             fn, names = fns[name]
             assert "__gpu$xla.gpu.triton" in lower_for_cuda(fn, *[inputs[a] for a in names]), name
+
+
+def test_stale_nan_and_inf_in_unused_slots_do_not_leak():
+    """A reused block may hold Inf/NaN past a sequence's length (e.g. a float16 overflow of an
+    earlier sequence): the decode kernel, the prefill kernel and the reference ignore them."""
+    lens, qlens = [5, 13], [5, 2]
+    q, k, v, tables, lens_a = make_case(21, lens=lens, H=4, KVH=2, D=16, block_size=8, max_blocks=2, num_blocks=8,
+                                        Q=8)
+    k, v = k.copy(), v.copy()
+    clean = reference_prefill_f32(q, k, v, tables, lens_a, np.asarray(qlens, np.int32), 0.25)
+    for s, n in enumerate(lens):  # poison every slot past each sequence's end, in its own last block
+        last = tables[s, (n - 1) // 8]
+        k[last, n % 8 or 8:] = np.inf
+        v[last, n % 8 or 8:] = np.nan
+    got_ref = reference_prefill_f32(q, k, v, tables, lens_a, np.asarray(qlens, np.int32), 0.25)
+    got_pre = np.asarray(jitted_prefill()(q, k, v, tables, lens_a, np.asarray(qlens, np.int32), 0.25))
+    got_dec = run_kernel(q[:, 0], k, v, tables, lens_a, 0.25)
+    for s, n in enumerate(qlens):
+        np.testing.assert_allclose(got_ref[s, :n], clean[s, :n], atol=1e-6)
+        np.testing.assert_allclose(got_pre[s, :n], clean[s, :n], atol=1e-5)
+    want_dec = reference_f32(q[:, 0], k, v, tables, lens_a, 0.25)
+    assert np.isfinite(want_dec).all()
+    np.testing.assert_allclose(got_dec, want_dec, atol=1e-5)

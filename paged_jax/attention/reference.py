@@ -45,5 +45,7 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, q
         mask = mask & mask_mod(q_pos, k_pos)
     scores = jnp.where(mask, scores, -1e30)
     probs = jax.nn.softmax(scores, axis=-1)
+    # Zero the values of slots past each context: a stale Inf/NaN there must not reach probs @ v.
+    v = jnp.where((jnp.arange(L)[None, :] < context_lens[:, None])[:, :, None, None], v, 0)
     out = jnp.einsum("skgql,slkd->sqkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(S, Q, H, D).astype(q.dtype)

@@ -202,7 +202,9 @@ class ModelRunner:
                 entry = None if want is None else make_logprobs_dict(ids[r], lps[r], top_ids[r], top_lps[r], want)
                 cands = None
                 if group.beam is not None:
-                    k = group.beam.num_candidates
+                    # More than the search's candidates when more logprobs are asked for: the extra
+                    # ones rank below this beam's own top candidates and never enter the search.
+                    k = max(group.beam.num_candidates, want or 0)
                     cands = ([int(t) for t in top_ids[r][:k]], [float(v) for v in top_lps[r][:k]])
                 result.samples.setdefault(i, []).append(Sample(int(ids[r]), float(lps[r]), entry, cands))
         for i in want_prompt:

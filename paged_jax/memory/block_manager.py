@@ -203,7 +203,9 @@ class BlockManager:
         else:
             if parent.device is not Device.GPU:
                 raise ValueError(f"sequence {parent_seq.seq_id} is swapped out: fork it on the device")
-            self._ensure_free(Device.GPU, len(parent.blocks), "fork")
+            self._ensure_free(Device.GPU, len(parent.blocks),
+                              "fork without block sharing (enable_block_sharing=False is a measurement baseline; "
+                              "give it a KV cache with room for every copy)")
             blocks = [self._new_block(Device.GPU) for _ in parent.blocks]
             copies = list(zip(parent.blocks, blocks))
         self._tables[child_seq.seq_id] = BlockTable(parent.device, blocks, parent.num_tokens,
@@ -407,7 +409,7 @@ class BlockManager:
 
     def _num_new_blocks(self, seqs: list[Sequence], use_cache: bool = True) -> int:
         """Free blocks ``allocate`` takes for these sequences (``use_cache=False``: with nothing cached)."""
-        need, seen = 0, []
+        need, seen, revived = 0, [], set()
         for seq in seqs:
             tokens = seq.get_token_ids()
             if self.enable_block_sharing and any(t == tokens for t in seen):
@@ -415,7 +417,12 @@ class BlockManager:
             num_blocks = self._blocks_for(len(tokens))
             hits = self._match_prefix(tokens)[0] if use_cache else []
             shared = max((self._common_full_blocks(tokens, t) for t in seen if self.enable_block_sharing), default=0)
-            need += num_blocks - shared if shared > len(hits) else self._num_blocks_to_take(num_blocks, hits)
+            # Fresh blocks past the shared/cached ones, plus cached blocks revived from the evictable
+            # pool (they count as free), each once even when several siblings map it.
+            need += num_blocks - max(shared, len(hits))
+            new_hits = {b for b in hits if self.gpu_allocator.get_ref_count(b) == 0} - revived
+            need += len(new_hits)
+            revived |= new_hits
             seen.append(tokens)
         return need
 
