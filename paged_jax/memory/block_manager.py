@@ -14,7 +14,11 @@ hold (``seq.get_len()`` at the last ``allocate`` / ``append_slot``). Invariants
 - Per pool, free + used + evictable-cached = total; the null block (device
   block 0) is in no table, on no free list, and counted in no total.
 - A table of ``n`` tokens has ``ceil(n / block_size)`` blocks: only the last is
-  partly empty, so waste per sequence is under one block.
+  partly empty, so waste per sequence is under one block. The exception is a
+  *reservation* (``allocate(..., reserve_tokens=r)``, how the Orca and
+  FasterTransformer baselines of the paper's experiments hold memory): the table
+  then holds at least ``ceil(r / block_size)`` blocks from admission on, the
+  ones past its tokens held (counted as used) but empty until it grows into them.
 - A sequence only writes into a block with reference count 1: ``append_slot``
   copies a shared partly filled last block first (copy-on-write).
 - Only blocks whose K/V are computed are findable by prefix lookup.
@@ -57,6 +61,7 @@ class KVCacheUsage:
     num_cached_gpu_blocks: int  # unreferenced, kept for prefix hits, evictable (count as free)
     num_tokens_stored: int  # distinct tokens held in used blocks: a shared block counts once
     num_token_slots_used: int  # num_used_gpu_blocks * block_size
+    num_reserved_blocks: int = 0  # used blocks reserved ahead of any token (reservations)
 
     @property
     def utilization(self) -> float:
@@ -69,6 +74,7 @@ class BlockTable:
     blocks: list[int]
     num_tokens: int  # tokens the blocks hold
     block_hashes: list[bytes]  # chained hashes of the leading full, computed blocks
+    min_blocks: int = 0  # blocks reserved at admission: the table never holds fewer
 
 
 class BlockManager:
@@ -100,10 +106,10 @@ class BlockManager:
         self._next_pin_handle = 0
 
     # ---- admission -------------------------------------------------------------
-    def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
-        """Whether ``allocate`` fits now with the watermark to spare."""
+    def can_allocate(self, seq_group: SequenceGroup, reserve_tokens: int = 0) -> AllocStatus:
+        """Whether ``allocate`` (with the same ``reserve_tokens``) fits now with the watermark to spare."""
         token_ids = _waiting_seqs(seq_group)[0].get_token_ids()
-        num_blocks = self._blocks_for(len(token_ids))
+        num_blocks = self._blocks_for(max(len(token_ids), reserve_tokens))
         if num_blocks > self.gpu_allocator.num_total_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
         hits, _ = self._match_prefix(token_ids)
@@ -111,14 +117,19 @@ class BlockManager:
             return AllocStatus.OK
         return AllocStatus.LATER
 
-    def allocate(self, seq_group: SequenceGroup, use_prefix_cache: bool = True) -> None:
+    def allocate(self, seq_group: SequenceGroup, use_prefix_cache: bool = True, reserve_tokens: int = 0) -> None:
         """Give every WAITING sequence of the group one shared set of blocks covering
         its ``get_len()`` tokens (they must hold the same tokens). Leading blocks found
         in the prefix cache are reused and ``num_computed_tokens`` is set to the tokens
         they hold (whole blocks, at most ``get_len() - 1``); without a hit it is 0.
         ``use_prefix_cache=False`` skips the lookup (a request that wants every prompt
-        token's logprobs must compute every prompt token)."""
+        token's logprobs must compute every prompt token). ``reserve_tokens`` reserves
+        blocks for that many tokens up front (see the module docstring); a reserving
+        group has one sequence."""
         seqs = _waiting_seqs(seq_group)
+        if reserve_tokens and len(seqs) > 1:
+            raise ValueError(f"request {seq_group.request_id!r}: a reservation is per sequence; "
+                             f"it has {len(seqs)} waiting sequences")
         token_ids = seqs[0].get_token_ids()
         for seq in seqs:
             if seq.seq_id in self._tables:
@@ -126,7 +137,8 @@ class BlockManager:
             if seq is not seqs[0] and seq.get_token_ids() != token_ids:
                 raise ValueError(f"the waiting sequences of request {seq_group.request_id!r} hold different "
                                  f"tokens; only identical ones can share blocks")
-        num_blocks = self._blocks_for(len(token_ids))
+        min_blocks = self._blocks_for(reserve_tokens)
+        num_blocks = max(self._blocks_for(len(token_ids)), min_blocks)
         hits, hashes = self._match_prefix(token_ids) if use_prefix_cache else ([], [])
         self._ensure_free(Device.GPU, self._num_blocks_to_take(num_blocks, hits), "allocate")
         for block in hits:
@@ -136,7 +148,7 @@ class BlockManager:
             for block in blocks:
                 self.gpu_allocator.incref(block)
         for seq in seqs:
-            self._tables[seq.seq_id] = BlockTable(Device.GPU, list(blocks), len(token_ids), list(hashes))
+            self._tables[seq.seq_id] = BlockTable(Device.GPU, list(blocks), len(token_ids), list(hashes), min_blocks)
             seq.num_computed_tokens = len(hits) * self.block_size
 
     # ---- growth ------------------------------------------------------------------
@@ -157,14 +169,15 @@ class BlockManager:
             raise ValueError(f"sequence {seq.seq_id} has {num_tokens} tokens, fewer than the "
                              f"{table.num_tokens} its blocks hold")
         copy_last = self._needs_copy(table, num_tokens)
-        num_new = self._blocks_for(num_tokens) - len(table.blocks)
+        num_new = max(0, self._blocks_for(num_tokens) - len(table.blocks))
         self._ensure_free(Device.GPU, num_new + copy_last, "append_slot")
         copy = None
         if copy_last:
-            src = table.blocks[-1]
+            last = self._last_index(table)
+            src = table.blocks[last]
             dst = self._new_block(Device.GPU)
             self._release(Device.GPU, src)
-            table.blocks[-1] = dst
+            table.blocks[last] = dst
             copy = (src, dst)
         table.blocks.extend(self._new_block(Device.GPU) for _ in range(num_new))
         table.num_tokens = num_tokens
@@ -175,6 +188,8 @@ class BlockManager:
         Fork after sampling, when the parent's blocks hold only computed tokens:
         copy-on-write protects the blocks that receive new tokens, not pending ones."""
         parent = self._table(parent_seq)
+        if parent.min_blocks:
+            raise ValueError(f"sequence {parent_seq.seq_id} holds a reservation; reserved blocks are not shared")
         if child_seq.seq_id in self._tables:
             raise ValueError(f"sequence {child_seq.seq_id} already has a block table")
         allocator = self._allocators[parent.device]
@@ -283,22 +298,24 @@ class BlockManager:
     def get_usage(self) -> KVCacheUsage:
         """Device pool usage (O(blocks in device tables))."""
         fill: dict[int, int] = {}  # used block -> tokens it holds
+        reserved = 0
         for table in self._tables.values():
             if table.device is Device.GPU:
                 for i, block in enumerate(table.blocks):
-                    tokens = min(self.block_size, table.num_tokens - i * self.block_size)
+                    tokens = min(self.block_size, max(0, table.num_tokens - i * self.block_size))
                     fill[block] = max(fill.get(block, 0), tokens)
+                reserved += len(table.blocks) - self._blocks_for(table.num_tokens)
         for pin in self._pins.values():
             fill.update((block, self.block_size) for block in pin)
         used = self.gpu_allocator.num_used_blocks
         return KVCacheUsage(self.gpu_allocator.num_total_blocks, used, self._cache.num_evictable,
-                            sum(fill.values()), used * self.block_size)
+                            sum(fill.values()), used * self.block_size, reserved)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if any invariant of the module docstring is broken."""
         refs = {Device.GPU: Counter(), Device.CPU: Counter()}
         for seq_id, table in self._tables.items():
-            _require(len(table.blocks) == self._blocks_for(table.num_tokens),
+            _require(len(table.blocks) == max(self._blocks_for(table.num_tokens), table.min_blocks),
                      f"sequence {seq_id}: {len(table.blocks)} blocks for {table.num_tokens} tokens")
             _require(len(table.block_hashes) <= table.num_tokens // self.block_size,
                      f"sequence {seq_id}: more block hashes than full blocks")
@@ -392,7 +409,11 @@ class BlockManager:
     def _needs_copy(self, table: BlockTable, num_tokens: int) -> bool:
         """Whether growing to ``num_tokens`` writes into a shared, partly filled last block."""
         return (num_tokens > table.num_tokens and table.num_tokens % self.block_size != 0
-                and self._allocators[table.device].get_ref_count(table.blocks[-1]) > 1)
+                and self._allocators[table.device].get_ref_count(table.blocks[self._last_index(table)]) > 1)
+
+    def _last_index(self, table: BlockTable) -> int:
+        """Index of the block holding the table's last token (the last block unless reserved)."""
+        return (table.num_tokens - 1) // self.block_size
 
     def _num_append_blocks(self, seqs: list[Sequence], device: Device) -> int:
         """Fresh blocks needed to grow every sequence's table to ``get_len()`` tokens.
@@ -402,9 +423,9 @@ class BlockManager:
         writers: Counter[int] = Counter()
         for seq in seqs:
             table = self._table(seq, device)
-            need += self._blocks_for(seq.get_len()) - len(table.blocks)
+            need += max(0, self._blocks_for(seq.get_len()) - len(table.blocks))
             if self._needs_copy(table, seq.get_len()):
-                writers[table.blocks[-1]] += 1
+                writers[table.blocks[self._last_index(table)]] += 1
         allocator = self._allocators[device]
         return need + sum(k - (allocator.get_ref_count(b) == k) for b, k in writers.items())
 
