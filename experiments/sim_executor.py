@@ -38,7 +38,8 @@ class StepStats:
 
     num_steps: int = 0
     busy_time: float = 0.0
-    batched_requests: int = 0  # sum over steps of distinct requests in the batch
+    measured_steps: int = 0  # steps taken while ``SimulatedExecutor.measuring`` was on
+    batched_requests: int = 0  # sum over measured steps of distinct requests in the batch
     batched_seqs: int = 0
     batched_tokens: int = 0
     swapped_blocks: int = 0
@@ -51,6 +52,7 @@ class SimulatedExecutor:
         self.cost_model = cost_model
         self.clock = clock
         self.stats = StepStats()
+        self.measuring = True  # count batch sizes (the driver turns it off outside its window)
         self._sample = Sample(TOKEN_ID, 0.0, None)
 
     def execute(self, out: SchedulerOutput, eos_token_id=None) -> StepResult:
@@ -77,9 +79,11 @@ class SimulatedExecutor:
         s = self.stats
         s.num_steps += 1
         s.busy_time += duration
-        s.batched_requests += len(groups)
-        s.batched_seqs += len(rows)
-        s.batched_tokens += sum(q for q, _ in rows)
+        if self.measuring:
+            s.measured_steps += 1
+            s.batched_requests += len(groups)
+            s.batched_seqs += len(rows)
+            s.batched_tokens += sum(q for q, _ in rows)
         s.swapped_blocks += swapped
         s.copied_blocks += copied
         return result

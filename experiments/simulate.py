@@ -56,7 +56,7 @@ class TraceResult:
     output_lens: np.ndarray
     sim_time: float  # simulated seconds until the last request finished
     num_steps: int
-    avg_batched_requests: float
+    avg_batched_requests: float  # per iteration, between the warmup and the last arrival
     num_preemptions: dict
     swapped_blocks: int
     wall_time: float
@@ -97,8 +97,8 @@ def run_trace(setup: Setup, system: str, requests: list[Request], rate: float = 
               sample_every: int = 0, on_sample: Optional[Callable] = None, max_sim_time: float = float("inf"),
               **engine_kwargs) -> TraceResult:
     """Simulate ``requests``. Requests arriving before ``warmup`` seconds are not measured.
-    Every ``sample_every`` steps while the system is loaded (requests queue up, before the last
-    arrival), ``on_sample(engine)`` returns a dict of numbers to average (or None to skip).
+    Every ``sample_every`` steps before the last arrival, ``on_sample(engine)`` returns a dict
+    of numbers to average (or None to skip).
     A run whose simulated time passes ``max_sim_time`` stops there (unfinished requests are
     then counted with the latency they have so far: a lower bound)."""
     engine, executor, clock = build_engine(setup, system, **engine_kwargs)
@@ -115,6 +115,7 @@ def run_trace(setup: Setup, system: str, requests: list[Request], rate: float = 
     vocab = setup.model.vocab_size
     i = 0
     clock.now = pending[0].arrival if pending else 0.0
+    last_arrival = pending[-1].arrival if pending else 0.0
     while i < len(pending) or engine.has_unfinished_requests():
         while i < len(pending) and pending[i].arrival <= clock.now:
             _add(engine, pending[i], str(i), vocab, expand, groups)
@@ -125,12 +126,13 @@ def run_trace(setup: Setup, system: str, requests: list[Request], rate: float = 
             continue
         if clock.now > max_sim_time:
             break
+        executor.measuring = warmup <= clock.now <= last_arrival
         for out in engine.step():
             if out.finished:
                 finish[out.request_id] = clock.now
                 ignored += out.finish_message is not None
         if sample_every and on_sample is not None and executor.stats.num_steps % sample_every == 0 \
-                and i < len(pending) and engine.scheduler.waiting:  # loaded: arrivals queue up
+                and i < len(pending):  # not in the drain after the last arrival
             sample = on_sample(engine)
             if sample is not None:
                 samples.append(sample)
@@ -144,7 +146,7 @@ def run_trace(setup: Setup, system: str, requests: list[Request], rate: float = 
     st = executor.stats
     memory = {k: float(np.mean([s[k] for s in samples])) for k in samples[0]} if samples else {}
     return TraceResult(system, rate, np.array(lat), np.array(lens, dtype=float), clock.now, st.num_steps,
-                       st.batched_requests / max(1, st.num_steps), dict(engine.scheduler.num_preemptions),
+                       st.batched_requests / max(1, st.measured_steps), dict(engine.scheduler.num_preemptions),
                        st.swapped_blocks, time.perf_counter() - t0, ignored, memory)
 
 
@@ -168,11 +170,14 @@ def _pin_prefix(engine: LLMEngine, req: Request, vocab: int) -> None:
 
 
 # ---- memory accounting -------------------------------------------------------------
-def memory_breakdown(engine: LLMEngine) -> dict:
+def memory_breakdown(engine: LLMEngine) -> Optional[dict]:
     """Shares of the KV pool (Fig. 2): token states, reserved for tokens still to come,
     reserved but never used (internal fragmentation: reservation past the final length,
-    or the empty tail of the last block), and the rest (buddy rounding, free slots)."""
+    or the empty tail of the last block), and the rest (buddy rounding, free slots).
+    None while no request waits: memory is the limit only under load."""
     bm, sched = engine.block_manager, engine.scheduler
+    if not sched.waiting:
+        return None
     bs = bm.block_size
     total = bm.gpu_allocator.num_total_blocks * bs
     tokens = reserved = internal = 0
@@ -192,9 +197,12 @@ def memory_breakdown(engine: LLMEngine) -> dict:
             "external_frag_other": 1.0 - (tokens + reserved + internal) / total}
 
 
-def sharing_savings(engine: LLMEngine) -> dict:
-    """Blocks saved by sharing: 1 - distinct device blocks / blocks summed over tables (Fig. 15)."""
+def sharing_savings(engine: LLMEngine) -> Optional[dict]:
+    """Blocks saved by sharing: 1 - distinct device blocks / blocks summed over tables (Fig. 15).
+    None while nothing runs."""
     bm = engine.block_manager
+    if not engine.scheduler.running:
+        return None
     per_table = sum(len(bm.get_block_table(s)) for g in engine.scheduler.running
                     for s in g.get_seqs(SequenceStatus.RUNNING))
     used = bm.gpu_allocator.num_used_blocks
