@@ -48,14 +48,18 @@ between the warm-up and the last arrival. Where the simulator's iteration is fas
 vLLM's (Alpaca: the paper's 132 batched requests at 30 req/s imply about 75 ms per iteration by
 Little's law, our roofline gives about 35 ms), fewer requests are in flight at the same rate.""",
     "14": """
-**Fig. 14 -- parallel sampling** (`fig14_parallel_sampling.png`, `fig14_*.csv`). OPT-13B, Alpaca,
-n = 1, 2, 4, 6 samples per request (`SamplingParams(n=n, best_of=n)`: the real engine forks the
-samples, which share the prompt's blocks). Orca(Oracle) cannot share: each sample is its own
-request with its own reservation. Beam search is not simulated yet (the engine's beam search is
-being built).""",
+**Fig. 14 -- parallel sampling and beam search** (`fig14_parallel_sampling_beam.png`,
+`fig14_*.csv`). OPT-13B, Alpaca, n = 2, 4, 6 samples (`SamplingParams(n=n, best_of=n)`: the real
+engine forks the samples, which share the prompt's blocks) and beam width 2, 4, 6. Beams are the
+engine's forked sequences re-selected after every iteration by real beam selection over synthetic
+next-token scores (`experiments/beam_model.py`: exponential gaps of mean 1 nat between a beam's
+successive candidates, chosen before comparing with the paper): dropped beams are freed, chosen
+ones forked. Orca(Oracle) cannot share: each sample or beam is its own request with its own
+reservation.""",
     "15": """
 **Fig. 15 -- memory saved by sharing** (`fig15_memory_saving.png/.csv`). 1 - (device blocks in
-use) / (blocks summed over every sequence's block table), averaged while the system is loaded.""",
+use) / (blocks summed over every sequence's block table), averaged before the last arrival, at
+OPT-13B's Fig. 13 rates (above capacity for widths >= 2).""",
     "16": """
 **Fig. 16 -- shared prefix** (`fig16_shared_prefix.png`, `fig16_*.csv`). LLaMA-13B, translation
 requests (synthetic WMT16-like lengths) behind a 1-shot (80-token) or 5-shot (341-token) prefix.
@@ -71,8 +75,9 @@ capacity at block size 16. Small blocks lose attention bandwidth (per-block over
 kernel); large blocks waste memory in partly filled last blocks, so fewer requests fit.""",
     "19": """
 **Fig. 19 -- recompute vs swap** (`fig19_recompute_vs_swap.png`, `fig19a_per_block_cost.csv`,
-`fig19b_recompute_vs_swap.csv`). (a) per-block cost from the cost model: a swap is 2 x 40 copy
-calls (K and V of every layer) over PCIe, so small blocks pay the per-call latency; recomputing a
-block's tokens costs the same per token at any block size. (b) OPT-13B, ShareGPT at paged-jax's
+`fig19b_recompute_vs_swap.csv`). (a) from the cost model, the time to swap or to recompute the
+same 256 tokens of K/V at each block size: a block's swap is 2 x 40 copy calls (K and V of every
+layer) over PCIe, so small blocks pay the per-call latency many times; recomputing costs the same
+at any block size. (b) OPT-13B, ShareGPT at paged-jax's
 capacity, preemption mode forced to recompute or swap.""",
 }

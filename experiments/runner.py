@@ -46,7 +46,9 @@ def run_point(spec: dict) -> dict:
                         on_sample=sampler, **kw)
         cap = float("nan")
     out = dict(spec)
-    out.update(normalized_latency=res.normalized_latency, capacity=cap, avg_batched_requests=res.avg_batched_requests,
+    # A burst has no measuring window (every request arrives at 0): its batch sizes are not reported.
+    batched = res.avg_batched_requests if spec["mode"] == "trace" else float("nan")
+    out.update(normalized_latency=res.normalized_latency, capacity=cap, avg_batched_requests=batched,
                throughput=res.throughput, num_steps=res.num_steps, sim_time=res.sim_time, wall_time=res.wall_time,
                preempt_recompute=res.num_preemptions["recompute"], preempt_swap=res.num_preemptions["swap"],
                swapped_blocks=res.swapped_blocks, num_ignored=res.num_ignored, **res.memory)

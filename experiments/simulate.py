@@ -30,6 +30,7 @@ from paged_jax.sampling_params import SamplingParams
 from paged_jax.scheduler import SchedulerConfig
 from paged_jax.sequence import SequenceStatus
 
+from experiments.beam_model import BeamModel
 from experiments.cost_model import CostModel, CostParams
 from experiments.hardware import Setup
 from experiments.sim_executor import SimClock, SimulatedExecutor
@@ -95,14 +96,16 @@ def _prompt_tokens(req: Request, index: int, vocab: int) -> list[int]:
 
 def run_trace(setup: Setup, system: str, requests: list[Request], rate: float = 0.0, warmup: float = 0.0,
               sample_every: int = 0, on_sample: Optional[Callable] = None, max_sim_time: float = float("inf"),
-              **engine_kwargs) -> TraceResult:
+              beam_gap: float = 1.0, **engine_kwargs) -> TraceResult:
     """Simulate ``requests``. Requests arriving before ``warmup`` seconds are not measured.
     Every ``sample_every`` steps before the last arrival, ``on_sample(engine)`` returns a dict
     of numbers to average (or None to skip).
     A run whose simulated time passes ``max_sim_time`` stops there (unfinished requests are
-    then counted with the latency they have so far: a lower bound)."""
+    then counted with the latency they have so far: a lower bound). Beam search requests follow
+    :class:`experiments.beam_model.BeamModel` (``beam_gap``) where blocks are shared."""
     engine, executor, clock = build_engine(setup, system, **engine_kwargs)
     expand = SYSTEMS[system].get("kv_reservation") is not None  # no sharing: one request per sample
+    beams = BeamModel(beam_gap) if not expand and any(r.beam_width > 1 for r in requests) else None
     if any(r.prefix_len for r in requests) and system == "vllm":
         _pin_prefix(engine, requests[0], setup.model.vocab_size)
     t0 = time.perf_counter()
@@ -119,6 +122,8 @@ def run_trace(setup: Setup, system: str, requests: list[Request], rate: float = 
     while i < len(pending) or engine.has_unfinished_requests():
         while i < len(pending) and pending[i].arrival <= clock.now:
             _add(engine, pending[i], str(i), vocab, expand, groups)
+            if beams is not None and pending[i].beam_width > 1:
+                beams.add(str(i), pending[i].beam_width)
             arrival[str(i)] = pending[i].arrival
             i += 1
         if not engine.has_unfinished_requests():
@@ -131,6 +136,8 @@ def run_trace(setup: Setup, system: str, requests: list[Request], rate: float = 
             if out.finished:
                 finish[out.request_id] = clock.now
                 ignored += out.finish_message is not None
+        if beams is not None:
+            beams.after_step(engine)
         if sample_every and on_sample is not None and executor.stats.num_steps % sample_every == 0 \
                 and i < len(pending):  # not in the drain after the last arrival
             sample = on_sample(engine)
