@@ -15,7 +15,8 @@ and KV-cache slots are the paper's Table 1 (`experiments/hardware.py`).
 The baselines are policies of the same scheduler and block manager (`SchedulerConfig`):
 Orca(Max / Pow2 / Oracle) reserve 2048 tokens / prompt + next power of two of the output / prompt +
 output at admission, rounded up to a power of two (buddy allocator); FasterTransformer reserves 2048
-tokens per request and batches statically (a new batch starts only when the last one is done).
+tokens per request and batches statically (a new batch starts only when the last one is done, and
+returns its outputs together).
 Baselines use a contiguous attention kernel; paged-jax pays the paged kernel's cost (0.8x the
 bandwidth at block size 16, as in the paper's Fig. 18a).
 

@@ -9,7 +9,8 @@ block manager (see :mod:`paged_jax.scheduler`):
   rounded up to a power of two by a buddy allocator; contiguous attention kernel.
   Samples of a request do not share memory: a request of ``n`` samples is ``n``
   requests (its latency is that of its last one).
-- ``ft`` (FasterTransformer): the ``orca-max`` reservation with static batching.
+- ``ft`` (FasterTransformer): the ``orca-max`` reservation with static batching; a batch's
+  outputs are returned together when its last request ends.
 
 :func:`run_trace` drives ``LLMEngine.step()`` on a simulated clock: requests are
 added when the clock reaches their arrival; finishing times give latencies.
@@ -113,6 +114,9 @@ def run_trace(setup: Setup, system: str, requests: list[Request], rate: float = 
     groups: dict[str, list[str]] = {}  # request -> engine request ids
     arrival: dict[str, float] = {}
     finish: dict[str, float] = {}
+    # Static batching returns a batch's outputs together, when its last request ends.
+    static = SYSTEMS[system].get("static_batching", False)
+    batch_done: list[str] = []
     samples: list[dict] = []
     ignored = 0
     vocab = setup.model.vocab_size
@@ -135,7 +139,12 @@ def run_trace(setup: Setup, system: str, requests: list[Request], rate: float = 
         for out in engine.step():
             if out.finished:
                 finish[out.request_id] = clock.now
+                batch_done.append(out.request_id)
                 ignored += out.finish_message is not None
+        if static and not engine.scheduler.running:
+            finish.update((rid, clock.now) for rid in batch_done)
+        if not static or not engine.scheduler.running:
+            batch_done.clear()
         if beams is not None:
             beams.after_step(engine)
         if sample_every and on_sample is not None and executor.stats.num_steps % sample_every == 0 \

@@ -146,3 +146,12 @@ def test_beams_share_more_than_parallel_samples():
     beam = run_point(dict(common, beam_width=4))
     saved = lambda r: 1 - r["blocks_used"] / r["blocks_per_table_sum"]  # noqa: E731
     assert 0 < saved(par) < saved(beam) < 1
+
+
+def test_static_batch_returns_together():
+    reqs = [Request(0.0, 20, 5), Request(0.0, 20, 40), Request(0.0, 20, 12)]
+    ft = run_trace(OPT13, "ft", reqs)
+    orca = run_trace(OPT13, "orca-max", reqs)
+    assert len(set(ft.latencies)) == 1  # one batch, one return time
+    assert ft.latencies[0] == pytest.approx(orca.latencies.max())  # = when its longest request ends
+    assert orca.latencies[0] < orca.latencies[2] < orca.latencies[1]
