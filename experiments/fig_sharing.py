@@ -21,10 +21,11 @@ def fig14(ctx: Context) -> None:
     """OPT-13B, Alpaca: parallel sampling and beam search, paged-jax vs Orca(Oracle)."""
     kinds = [("n", 1), ("n", 6), ("beam_width", 6)] if ctx.quick else KINDS
     systems = ("vllm", "orca-oracle")
+    keys = [(kind, w, s) for kind, w in kinds for s in systems]
     specs = [dict(workload="alpaca", system=s, mode="saturation", num_requests=trace_len("alpaca", ctx.quick, w),
-                  **{kind: w}) for kind, w in kinds for s in systems]
+                  **{kind: w}) for kind, w, s in keys]
     rows = run_points(specs, ctx.jobs, "fig14 capacities")
-    caps = {(kind, r[kind], r["system"]): r["capacity"] for r in rows for kind, _ in kinds if r[kind] > 0}
+    caps = {key: r["capacity"] for key, r in zip(keys, rows)}
     curves = []
     for kind, w in kinds:
         sub = {("opt-13b", "alpaca", s): caps[(kind, w, s)] for s in systems}
