@@ -37,3 +37,20 @@ def test_bad_arguments():
         reproduce.main(["--figure", "99"])
     with pytest.raises(SystemExit):
         reproduce.main(["--jobs", "0"])
+
+
+def test_fig14_ratios_come_from_the_matching_capacity_runs(tmp_path, monkeypatch):
+    from experiments import fig_serving, fig_sharing
+
+    tiny = lambda workload, quick, n=1: 30  # noqa: E731
+    monkeypatch.setattr(fig_sharing, "trace_len", tiny)
+    monkeypatch.setattr(fig_serving, "trace_len", tiny)
+    assert reproduce.main(["--quick", "--figure", "14", "--out", str(tmp_path), "--jobs", "1"]) == 0
+    caps = {(r["system"], r["n"], r["beam_width"]): float(r["capacity"])
+            for r in csv.DictReader(open(tmp_path / "fig14_capacity.csv"))}
+    assert len(caps) == 6  # 3 kinds x 2 systems, none overwritten
+    heads = {h["metric"]: float(h["ours"]) for h in csv.DictReader(open(tmp_path / "headlines_14.csv"))}
+    for (n, beam), label in {("1", "0"): "basic sampling", ("6", "0"): "parallel n=6",
+                             ("1", "6"): "beam width 6"}.items():
+        expect = caps[("vllm", n, beam)] / caps[("orca-oracle", n, beam)]
+        assert heads[f"OPT-13B Alpaca {label}: sustainable rate vs Orca(Oracle)"] == pytest.approx(expect, rel=1e-3)
