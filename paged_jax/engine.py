@@ -105,14 +105,39 @@ class LLMEngine:
             if num_gpu_blocks < 2:
                 raise ValueError("not enough memory for a KV cache: give num_kv_blocks or more memory")
         num_cpu_blocks = min(cap, int(args.swap_space * (1 << 30)) // (mc.kv_bytes_per_token * bs))
-        self.block_manager = BlockManager(bs, num_gpu_blocks, num_cpu_blocks, watermark=args.watermark,
-                                          enable_prefix_caching=args.enable_prefix_caching,
-                                          enable_block_sharing=args.enable_block_sharing)
-        self.scheduler = Scheduler(self.scheduler_config, self.block_manager)
-        self.runner = ModelRunner(mc, params, bs, num_gpu_blocks, num_cpu_blocks, args.attention_backend, args.seed,
-                                  mesh=mesh)
+        block_manager = BlockManager(bs, num_gpu_blocks, num_cpu_blocks, watermark=args.watermark,
+                                     enable_prefix_caching=args.enable_prefix_caching,
+                                     enable_block_sharing=args.enable_block_sharing)
+        runner = ModelRunner(mc, params, bs, num_gpu_blocks, num_cpu_blocks, args.attention_backend, args.seed,
+                             mesh=mesh)
         logger.info("paged-jax engine: model=%s family=%s dtype=%s blocks=%d x %d tokens (host %d), max_model_len=%d",
                     model_path, mc.family, mc.dtype, num_gpu_blocks, bs, num_cpu_blocks, max_model_len)
+        self._init_core(self.scheduler_config, block_manager, runner, mc.vocab_size)
+
+    @classmethod
+    def from_components(cls, scheduler_config: SchedulerConfig, block_manager: BlockManager, executor,
+                        vocab_size: int, tokenizer=None, eos_token_id: Optional[int] = None,
+                        clock=time.monotonic) -> "LLMEngine":
+        """An engine over given parts, without loading a model: ``executor`` has the
+        model runner's ``execute(SchedulerOutput, eos_token_id) -> StepResult``. With
+        no tokenizer, requests are given as token ids and nothing is detokenized (stop
+        strings never match). ``clock()`` gives the default arrival time (a simulator
+        passes its simulated clock)."""
+        engine = cls.__new__(cls)
+        engine.args, engine.model_config, engine.tokenizer = None, None, tokenizer
+        engine.eos_token_id = eos_token_id
+        engine.eos_token_ids = frozenset(() if eos_token_id is None else (eos_token_id,))
+        engine._init_core(scheduler_config, block_manager, executor, vocab_size, clock)
+        return engine
+
+    def _init_core(self, scheduler_config: SchedulerConfig, block_manager: BlockManager, executor,
+                   vocab_size: int, clock=time.monotonic) -> None:
+        self.scheduler_config = scheduler_config
+        self.block_manager = block_manager
+        self.scheduler = Scheduler(scheduler_config, block_manager)
+        self.runner = executor
+        self.vocab_size = vocab_size
+        self.clock = clock
         self._seq_counter = itertools.count()
         self._groups: dict[str, SequenceGroup] = {}
         self._prompt_logprobs: dict[str, list] = {}
@@ -139,17 +164,20 @@ class LLMEngine:
         if prompt_token_ids is None:
             if not isinstance(prompt, str):
                 raise ValueError(f"prompt must be a string when prompt_token_ids is not given, got {prompt!r}")
+            if self.tokenizer is None:
+                raise ValueError("this engine has no tokenizer: give prompt_token_ids, not a prompt string")
             prompt_token_ids = self.tokenizer.encode(prompt)
         prompt_token_ids = [int(t) for t in prompt_token_ids]
         if not prompt_token_ids:
             raise ValueError("prompt must not be empty (it tokenized to zero tokens)")
-        bad = [t for t in prompt_token_ids if not 0 <= t < self.model_config.vocab_size]
+        bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
-            raise ValueError(f"prompt_token_ids hold ids outside [0, {self.model_config.vocab_size}): {bad[:5]}")
+            raise ValueError(f"prompt_token_ids hold ids outside [0, {self.vocab_size}): {bad[:5]}")
         seq = Sequence(next(self._seq_counter), prompt_token_ids)
         seq.prefix_offset = max(len(prompt_token_ids) - 5, 0)
         seq.read_offset = len(prompt_token_ids)
-        group = SequenceGroup(request_id, [seq], sampling_params, arrival_time or time.monotonic(), prompt)
+        group = SequenceGroup(request_id, [seq], sampling_params,
+                              self.clock() if arrival_time is None else arrival_time, prompt)
         if sampling_params.use_beam_search:
             group.beam = self._beam_state(sampling_params, len(prompt_token_ids))
         self._groups[request_id] = group
@@ -325,7 +353,7 @@ class LLMEngine:
     def _append(self, seq: Sequence, smp, group: SequenceGroup) -> None:
         seq.append_token_id(smp.token_id, smp.logprob, smp.logprobs)
         self.num_generated_tokens += 1
-        new_text = self._detokenize(seq, group.sampling_params)
+        new_text = self._detokenize(seq, group.sampling_params) if self.tokenizer is not None else ""
         self._check_stop(seq, group.sampling_params, new_text)
 
     def _detokenize(self, seq: Sequence, params: SamplingParams) -> str:
@@ -405,8 +433,8 @@ class LLMEngine:
             "num_preemptions": dict(self.scheduler.num_preemptions),
             "kv_cache_usage": usage.num_used_gpu_blocks / max(1, usage.num_total_gpu_blocks),
             "kv_utilization": usage.utilization,
-            "num_compilations": self.runner.num_compilations,
+            "num_compilations": getattr(self.runner, "num_compilations", 0),
             "num_generated_tokens": self.num_generated_tokens,
             "num_steps": self.num_steps,
-            "timings": dict(self.runner.timings),
+            "timings": dict(getattr(self.runner, "timings", {})),
         }

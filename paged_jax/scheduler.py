@@ -11,6 +11,15 @@ never runs more than ``max_num_batched_tokens`` tokens, and a long prompt shares
 iterations with running decodes instead of stalling them.
 
 Plain Python: the same scheduler drives the real engine and the simulator.
+
+Two options turn it into the paper's baselines (Sec. 6.1), for the simulator's
+experiments: ``kv_reservation`` reserves each request's KV space at admission
+(Orca: ``"max"`` the maximum length, ``"pow2"`` the prompt plus the next power of
+two of the true output length, ``"oracle"`` the prompt plus the true output
+length, taken from ``max_tokens``), with ``buddy_allocator`` rounding each
+reservation up to a power of two as a buddy allocator does; ``static_batching``
+admits a new batch only once every request of the last one has finished
+(FasterTransformer).
 """
 
 from __future__ import annotations
@@ -32,6 +41,13 @@ class PreemptionMode(enum.Enum):
     SWAP = "swap"
 
 
+RESERVATIONS = (None, "max", "pow2", "oracle")
+
+
+def next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 256
@@ -39,6 +55,9 @@ class SchedulerConfig:
     max_model_len: int = 2048
     preemption_mode: Optional[str] = None  # None: recompute single-sequence groups, swap the others
     enable_chunked_prefill: bool = False
+    kv_reservation: Optional[str] = None  # None (paged, on demand) | "max" | "pow2" | "oracle"
+    buddy_allocator: bool = False  # round reservations up to a power of two
+    static_batching: bool = False  # admit only when nothing runs (FasterTransformer)
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -47,6 +66,10 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.preemption_mode not in (None, "recompute", "swap"):
             raise ValueError(f"preemption_mode must be None, 'recompute' or 'swap', got {self.preemption_mode!r}")
+        if self.kv_reservation not in RESERVATIONS:
+            raise ValueError(f"kv_reservation must be one of {RESERVATIONS}, got {self.kv_reservation!r}")
+        if self.buddy_allocator and self.kv_reservation is None:
+            raise ValueError("buddy_allocator=True needs a kv_reservation ('max', 'pow2' or 'oracle')")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
@@ -174,8 +197,10 @@ class Scheduler:
                 num_seqs += n_seqs
                 self.running.append(group)
 
-        # 3. New prompts, first come first served, only when no request is swapped out.
-        while self.waiting and not self.swapped and not out.preempted:
+        # 3. New prompts, first come first served, only when no request is swapped out
+        #    (and, with static batching, only when the last batch is done).
+        batch_open = not (self.config.static_batching and self.running)
+        while batch_open and self.waiting and not self.swapped and not out.preempted:
             group = self.waiting[0]
             seq = group.get_seqs(SequenceStatus.WAITING)[0]
             reason = self._reject_reason(group, seq)
@@ -187,7 +212,8 @@ class Scheduler:
             n_seqs = max(group.num_seqs(SequenceStatus.WAITING), self._num_samples(group))
             if num_seqs + n_seqs > self.config.max_num_seqs:
                 break
-            status = self.block_manager.can_allocate(group)
+            reserve = self.reservation(group)[1]
+            status = self.block_manager.can_allocate(group, reserve)
             if status is AllocStatus.NEVER:
                 self.waiting.popleft()
                 self._finish_early(group, SequenceStatus.FINISHED_IGNORED,
@@ -212,7 +238,8 @@ class Scheduler:
                 break
             self.waiting.popleft()
             params = group.sampling_params
-            self.block_manager.allocate(group, use_prefix_cache=getattr(params, "prompt_logprobs", None) is None)
+            self.block_manager.allocate(group, use_prefix_cache=getattr(params, "prompt_logprobs", None) is None,
+                                        reserve_tokens=reserve)
             for s in group.get_seqs(SequenceStatus.WAITING):
                 s.status = SequenceStatus.RUNNING
             budget -= self._schedule_rows(group, budget, out)
@@ -243,6 +270,22 @@ class Scheduler:
             out.scheduled.append(ScheduledSeq(seq, group, n, self.block_manager.get_block_table(seq)))
             used += n
         return used
+
+    def reservation(self, group: SequenceGroup) -> tuple[int, int]:
+        """KV tokens the request reserves at admission under ``kv_reservation``: (asked
+        for by the policy, allocated after buddy rounding); (0, 0) when paged."""
+        policy = self.config.kv_reservation
+        if policy is None:
+            return 0, 0
+        max_len = self.config.max_model_len
+        seq = group.seqs[0]
+        out_len = getattr(group.sampling_params, "max_tokens", None)
+        if policy == "max" or out_len is None:
+            asked = max_len
+        else:
+            asked = min(max_len, seq.get_prompt_len() + (next_pow2(out_len) if policy == "pow2" else out_len))
+        asked = max(asked, seq.get_len())
+        return asked, (next_pow2(asked) if self.config.buddy_allocator else asked)
 
     @staticmethod
     def _prefill_tokens(group: SequenceGroup, seq: Sequence) -> int:

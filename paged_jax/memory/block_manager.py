@@ -14,7 +14,11 @@ hold (``seq.get_len()`` at the last ``allocate`` / ``append_slot``). Invariants
 - Per pool, free + used + evictable-cached = total; the null block (device
   block 0) is in no table, on no free list, and counted in no total.
 - A table of ``n`` tokens has ``ceil(n / block_size)`` blocks: only the last is
-  partly empty, so waste per sequence is under one block.
+  partly empty, so waste per sequence is under one block. The exception is a
+  *reservation* (``allocate(..., reserve_tokens=r)``, how the Orca and
+  FasterTransformer baselines of the paper's experiments hold memory): the table
+  then holds at least ``ceil(r / block_size)`` blocks from admission on, the
+  ones past its tokens held (counted as used) but empty until it grows into them.
 - A sequence only writes into a block with reference count 1: ``append_slot``
   copies a shared partly filled last block first (copy-on-write).
 - Only blocks whose K/V are computed are findable by prefix lookup.
@@ -57,6 +61,7 @@ class KVCacheUsage:
     num_cached_gpu_blocks: int  # unreferenced, kept for prefix hits, evictable (count as free)
     num_tokens_stored: int  # distinct tokens held in used blocks: a shared block counts once
     num_token_slots_used: int  # num_used_gpu_blocks * block_size
+    num_reserved_blocks: int = 0  # used blocks reserved ahead of any token (reservations)
 
     @property
     def utilization(self) -> float:
@@ -69,6 +74,7 @@ class BlockTable:
     blocks: list[int]
     num_tokens: int  # tokens the blocks hold
     block_hashes: list[bytes]  # chained hashes of the leading full, computed blocks
+    min_blocks: int = 0  # blocks reserved at admission: the table never holds fewer
 
 
 class BlockManager:
@@ -105,16 +111,17 @@ class BlockManager:
         self._next_pin_handle = 0
 
     # ---- admission -------------------------------------------------------------
-    def can_allocate(self, seq_group: SequenceGroup) -> AllocStatus:
-        """Whether ``allocate`` fits now with the watermark to spare."""
+    def can_allocate(self, seq_group: SequenceGroup, reserve_tokens: int = 0) -> AllocStatus:
+        """Whether ``allocate`` (with the same ``reserve_tokens``) fits now with the watermark to spare."""
         seqs = _waiting_seqs(seq_group)
-        if self._num_new_blocks(seqs, use_cache=False) > self.gpu_allocator.num_total_blocks - self.watermark_blocks:
+        if (self._num_new_blocks(seqs, use_cache=False, reserve_tokens=reserve_tokens)
+                > self.gpu_allocator.num_total_blocks - self.watermark_blocks):
             return AllocStatus.NEVER
         if self.get_num_free_gpu_blocks() - self._num_new_blocks(seqs) >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
-    def allocate(self, seq_group: SequenceGroup, use_prefix_cache: bool = True) -> None:
+    def allocate(self, seq_group: SequenceGroup, use_prefix_cache: bool = True, reserve_tokens: int = 0) -> None:
         """Give every WAITING sequence of the group blocks covering its ``get_len()``
         tokens. Sequences holding the same tokens (a new request's samples) share one
         set of blocks; sequences that diverged (the samples or beams of a request
@@ -124,12 +131,18 @@ class BlockManager:
         most ``get_len() - 1``); without a hit it is 0, and siblings sharing a block
         both compute it in the same step (the same tokens give the same K/V).
         ``use_prefix_cache=False`` skips the lookup (a request that wants every
-        prompt token's logprobs must compute every prompt token)."""
+        prompt token's logprobs must compute every prompt token). ``reserve_tokens``
+        reserves blocks for that many tokens up front (see the module docstring); a
+        reserving group has one sequence."""
         seqs = _waiting_seqs(seq_group)
+        if reserve_tokens and len(seqs) > 1:
+            raise ValueError(f"request {seq_group.request_id!r}: a reservation is per sequence; "
+                             f"it has {len(seqs)} waiting sequences")
         for seq in seqs:
             if seq.seq_id in self._tables:
                 raise ValueError(f"sequence {seq.seq_id} already has a block table")
-        self._ensure_free(Device.GPU, self._num_new_blocks(seqs, use_prefix_cache), "allocate")
+        self._ensure_free(Device.GPU, self._num_new_blocks(seqs, use_prefix_cache, reserve_tokens), "allocate")
+        min_blocks = self._blocks_for(reserve_tokens)
         done: list[tuple[list[int], BlockTable, int]] = []  # tokens, table, computed tokens
         for seq in seqs:
             tokens = seq.get_token_ids()
@@ -148,9 +161,10 @@ class BlockManager:
                 for block in sibling.blocks[len(hits):num_shared] if sibling else ():
                     self.gpu_allocator.incref(block)
                     blocks.append(block)
-                blocks += [self._new_block(Device.GPU) for _ in range(self._blocks_for(len(tokens)) - len(blocks))]
+                num_blocks = max(self._blocks_for(len(tokens)), min_blocks)
+                blocks += [self._new_block(Device.GPU) for _ in range(num_blocks - len(blocks))]
                 computed = len(hits) * self.block_size
-            table = BlockTable(Device.GPU, list(blocks), len(tokens), list(hashes))
+            table = BlockTable(Device.GPU, list(blocks), len(tokens), list(hashes), min_blocks)
             self._tables[seq.seq_id] = table
             seq.num_computed_tokens = computed
             done.append((tokens, table, computed))
@@ -173,14 +187,15 @@ class BlockManager:
             raise ValueError(f"sequence {seq.seq_id} has {num_tokens} tokens, fewer than the "
                              f"{table.num_tokens} its blocks hold")
         copy_last = self._needs_copy(table, num_tokens)
-        num_new = self._blocks_for(num_tokens) - len(table.blocks)
+        num_new = max(0, self._blocks_for(num_tokens) - len(table.blocks))
         self._ensure_free(Device.GPU, num_new + copy_last, "append_slot")
         copy = None
         if copy_last:
-            src = table.blocks[-1]
+            last = self._last_index(table)
+            src = table.blocks[last]
             dst = self._new_block(Device.GPU)
             self._release(Device.GPU, src)
-            table.blocks[-1] = dst
+            table.blocks[last] = dst
             copy = (src, dst)
         table.blocks.extend(self._new_block(Device.GPU) for _ in range(num_new))
         table.num_tokens = num_tokens
@@ -193,6 +208,8 @@ class BlockManager:
         Returns the (src, dst) device copies to run before the next step: none when
         sharing, every block when ``enable_block_sharing`` is False."""
         parent = self._table(parent_seq)
+        if parent.min_blocks:
+            raise ValueError(f"sequence {parent_seq.seq_id} holds a reservation; reserved blocks are not shared")
         if child_seq.seq_id in self._tables:
             raise ValueError(f"sequence {child_seq.seq_id} already has a block table")
         allocator = self._allocators[parent.device]
@@ -312,22 +329,24 @@ class BlockManager:
     def get_usage(self) -> KVCacheUsage:
         """Device pool usage (O(blocks in device tables))."""
         fill: dict[int, int] = {}  # used block -> tokens it holds
+        reserved = 0
         for table in self._tables.values():
             if table.device is Device.GPU:
                 for i, block in enumerate(table.blocks):
-                    tokens = min(self.block_size, table.num_tokens - i * self.block_size)
+                    tokens = min(self.block_size, max(0, table.num_tokens - i * self.block_size))
                     fill[block] = max(fill.get(block, 0), tokens)
+                reserved += len(table.blocks) - self._blocks_for(table.num_tokens)
         for pin in self._pins.values():
             fill.update((block, self.block_size) for block in pin)
         used = self.gpu_allocator.num_used_blocks
         return KVCacheUsage(self.gpu_allocator.num_total_blocks, used, self._cache.num_evictable,
-                            sum(fill.values()), used * self.block_size)
+                            sum(fill.values()), used * self.block_size, reserved)
 
     def check_invariants(self) -> None:
         """Raise AssertionError if any invariant of the module docstring is broken."""
         refs = {Device.GPU: Counter(), Device.CPU: Counter()}
         for seq_id, table in self._tables.items():
-            _require(len(table.blocks) == self._blocks_for(table.num_tokens),
+            _require(len(table.blocks) == max(self._blocks_for(table.num_tokens), table.min_blocks),
                      f"sequence {seq_id}: {len(table.blocks)} blocks for {table.num_tokens} tokens")
             _require(len(table.block_hashes) <= table.num_tokens // self.block_size,
                      f"sequence {seq_id}: more block hashes than full blocks")
@@ -407,14 +426,14 @@ class BlockManager:
             n += 1
         return n
 
-    def _num_new_blocks(self, seqs: list[Sequence], use_cache: bool = True) -> int:
+    def _num_new_blocks(self, seqs: list[Sequence], use_cache: bool = True, reserve_tokens: int = 0) -> int:
         """Free blocks ``allocate`` takes for these sequences (``use_cache=False``: with nothing cached)."""
         need, seen, revived = 0, [], set()
         for seq in seqs:
             tokens = seq.get_token_ids()
             if self.enable_block_sharing and any(t == tokens for t in seen):
                 continue
-            num_blocks = self._blocks_for(len(tokens))
+            num_blocks = max(self._blocks_for(len(tokens)), self._blocks_for(reserve_tokens))
             hits = self._match_prefix(tokens)[0] if use_cache else []
             shared = max((self._common_full_blocks(tokens, t) for t in seen if self.enable_block_sharing), default=0)
             # Fresh blocks past the shared/cached ones, plus cached blocks revived from the evictable
@@ -447,7 +466,11 @@ class BlockManager:
     def _needs_copy(self, table: BlockTable, num_tokens: int) -> bool:
         """Whether growing to ``num_tokens`` writes into a shared, partly filled last block."""
         return (num_tokens > table.num_tokens and table.num_tokens % self.block_size != 0
-                and self._allocators[table.device].get_ref_count(table.blocks[-1]) > 1)
+                and self._allocators[table.device].get_ref_count(table.blocks[self._last_index(table)]) > 1)
+
+    def _last_index(self, table: BlockTable) -> int:
+        """Index of the block holding the table's last token (the last block unless reserved)."""
+        return (table.num_tokens - 1) // self.block_size
 
     def _num_append_blocks(self, seqs: list[Sequence], device: Device) -> int:
         """Fresh blocks needed to grow every sequence's table to ``get_len()`` tokens.
@@ -457,9 +480,9 @@ class BlockManager:
         writers: Counter[int] = Counter()
         for seq in seqs:
             table = self._table(seq, device)
-            need += self._blocks_for(seq.get_len()) - len(table.blocks)
+            need += max(0, self._blocks_for(seq.get_len()) - len(table.blocks))
             if self._needs_copy(table, seq.get_len()):
-                writers[table.blocks[-1]] += 1
+                writers[table.blocks[self._last_index(table)]] += 1
         allocator = self._allocators[device]
         return need + sum(k - (allocator.get_ref_count(b) == k) for b, k in writers.items())
 

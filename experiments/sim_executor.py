@@ -1,0 +1,89 @@
+"""The simulated executor: the model runner's interface, a cost model instead of a GPU.
+
+``execute(SchedulerOutput, eos_token_id) -> StepResult`` like
+:class:`paged_jax.executor.model_runner.ModelRunner`: every row whose chunk
+completes its sequence gets one sample (``best_of`` for a request's first
+token), so the real engine appends tokens, forks samples, checks stop rules and
+frees blocks exactly as it does with a model. Token ids carry no meaning (output
+lengths are fixed in advance with ``max_tokens`` and ``ignore_eos``); the step's
+duration comes from :class:`experiments.cost_model.CostModel` and advances a
+:class:`SimClock`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from paged_jax.executor.model_runner import Sample, StepResult
+from paged_jax.scheduler import SchedulerOutput
+
+from experiments.cost_model import CostModel
+
+TOKEN_ID = 7  # any id: generation ignores EOS and stops at max_tokens
+
+
+class SimClock:
+    """Simulated seconds; call it for the current time."""
+
+    def __init__(self, now: float = 0.0):
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class StepStats:
+    """Running totals over the executed iterations."""
+
+    num_steps: int = 0
+    busy_time: float = 0.0
+    measured_steps: int = 0  # steps taken while ``SimulatedExecutor.measuring`` was on
+    batched_requests: int = 0  # sum over measured steps of distinct requests in the batch
+    batched_seqs: int = 0
+    batched_tokens: int = 0
+    swapped_blocks: int = 0
+    copied_blocks: int = 0
+    recorded: list = field(default_factory=list)
+
+
+class SimulatedExecutor:
+    def __init__(self, cost_model: CostModel, clock: SimClock):
+        self.cost_model = cost_model
+        self.clock = clock
+        self.stats = StepStats()
+        self.measuring = True  # count batch sizes (the driver turns it off outside its window)
+        self._sample = Sample(TOKEN_ID, 0.0, None)
+
+    def execute(self, out: SchedulerOutput, eos_token_id=None) -> StepResult:
+        result = StepResult()
+        rows = []
+        groups = set()
+        sample = self._sample
+        for i, r in enumerate(out.scheduled):
+            seq = r.seq
+            start = seq.num_computed_tokens
+            rows.append((r.num_tokens, start))
+            groups.add(id(r.group))
+            if start + r.num_tokens == seq.get_len():  # r.completes
+                group = r.group
+                k = 1
+                if not seq.output_token_ids and len(group.seqs) == 1:
+                    k = group.sampling_params.best_of or 1
+                result.samples[i] = [sample] * k
+        swapped = len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out)
+        copied = len(out.blocks_to_copy)
+        num_sampled = sum(len(v) for v in result.samples.values())
+        duration = self.cost_model.step_time(rows, num_sampled, swapped, copied)
+        self.clock.now += duration
+        s = self.stats
+        s.num_steps += 1
+        s.busy_time += duration
+        if self.measuring:
+            s.measured_steps += 1
+            s.batched_requests += len(groups)
+            s.batched_seqs += len(rows)
+            s.batched_tokens += sum(q for q, _ in rows)
+        s.swapped_blocks += swapped
+        s.copied_blocks += copied
+        return result
