@@ -117,7 +117,8 @@ class BlockManager:
         if (self._num_new_blocks(seqs, use_cache=False, reserve_tokens=reserve_tokens)
                 > self.gpu_allocator.num_total_blocks - self.watermark_blocks):
             return AllocStatus.NEVER
-        if self.get_num_free_gpu_blocks() - self._num_new_blocks(seqs) >= self.watermark_blocks:
+        need = self._num_new_blocks(seqs, reserve_tokens=reserve_tokens)
+        if self.get_num_free_gpu_blocks() - need >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
