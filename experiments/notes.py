@@ -51,11 +51,10 @@ Little's law, our roofline gives about 35 ms), fewer requests are in flight at t
     "14": """
 **Fig. 14 -- parallel sampling and beam search** (`fig14_parallel_sampling_beam.png`,
 `fig14_*.csv`). OPT-13B, Alpaca, n = 2, 4, 6 samples (`SamplingParams(n=n, best_of=n)`: the real
-engine forks the samples, which share the prompt's blocks) and beam width 2, 4, 6. Beams are the
-engine's forked sequences re-selected after every iteration by real beam selection over synthetic
-next-token scores (`experiments/beam_model.py`: exponential gaps of mean 1 nat between a beam's
-successive candidates, chosen before comparing with the paper): dropped beams are freed, chosen
-ones forked. Orca(Oracle) cannot share: each sample or beam is its own request with its own
+engine forks the samples, which share the prompt's blocks) and beam width 2, 4, 6. Beams run the
+engine's own beam search over synthetic next-token scores (`experiments/sim_executor.py`:
+exponential gaps of mean 1 nat between a beam's successive candidates, chosen before comparing with
+the paper): dropped beams are freed, chosen ones forked. Orca(Oracle) cannot share: each sample or beam is its own request with its own
 reservation.""",
     "15": """
 **Fig. 15 -- memory saved by sharing** (`fig15_memory_saving.png/.csv`). 1 - (device blocks in

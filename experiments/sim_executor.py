@@ -8,11 +8,21 @@ frees blocks exactly as it does with a model. Token ids carry no meaning (output
 lengths are fixed in advance with ``max_tokens`` and ``ignore_eos``); the step's
 duration comes from :class:`experiments.cost_model.CostModel` and advances a
 :class:`SimClock`.
+
+Beam search runs through the engine's own beam search (``use_beam_search``): a
+beam row gets synthetic candidates, and the engine keeps, forks and frees beams
+through the block manager as it does with a model. The candidates are the one
+modelling choice: the gaps between a beam's successive next-token logprobs are
+exponential with mean ``beam_gap`` nats (default 1: a second choice on average e
+times less likely than the first). Smaller gaps keep beams apart longer; larger
+gaps let the best beam take over (more sharing).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from paged_jax.executor.model_runner import Sample, StepResult
 from paged_jax.scheduler import SchedulerOutput
@@ -20,6 +30,7 @@ from paged_jax.scheduler import SchedulerOutput
 from experiments.cost_model import CostModel
 
 TOKEN_ID = 7  # any id: generation ignores EOS and stops at max_tokens
+BEAM_TOKEN_BASE = 1000  # a beam's candidates are ids 1000, 1001, ... (distinct, none a stop token)
 
 
 class SimClock:
@@ -48,12 +59,21 @@ class StepStats:
 
 
 class SimulatedExecutor:
-    def __init__(self, cost_model: CostModel, clock: SimClock):
+    def __init__(self, cost_model: CostModel, clock: SimClock, beam_gap: float = 1.0, seed: int = 0):
+        if not beam_gap > 0:
+            raise ValueError(f"beam_gap must be > 0 nats, got {beam_gap!r}")
         self.cost_model = cost_model
         self.clock = clock
+        self.beam_gap = beam_gap
+        self.rng = np.random.default_rng(seed)
         self.stats = StepStats()
         self.measuring = True  # count batch sizes (the driver turns it off outside its window)
         self._sample = Sample(TOKEN_ID, 0.0, None)
+
+    def _beam_sample(self, num: int) -> Sample:
+        lps = -np.cumsum(self.rng.exponential(self.beam_gap, num))
+        ids = list(range(BEAM_TOKEN_BASE, BEAM_TOKEN_BASE + num))
+        return Sample(ids[0], float(lps[0]), None, (ids, lps.tolist()))
 
     def execute(self, out: SchedulerOutput, eos_token_id=None) -> StepResult:
         result = StepResult()
@@ -67,6 +87,9 @@ class SimulatedExecutor:
             groups.add(id(r.group))
             if start + r.num_tokens == seq.get_len():  # r.completes
                 group = r.group
+                if group.beam is not None:
+                    result.samples[i] = [self._beam_sample(group.beam.num_candidates)]
+                    continue
                 k = 1
                 if not seq.output_token_ids and len(group.seqs) == 1:
                     k = group.sampling_params.best_of or 1

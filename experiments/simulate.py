@@ -31,7 +31,6 @@ from paged_jax.sampling_params import SamplingParams
 from paged_jax.scheduler import SchedulerConfig
 from paged_jax.sequence import SequenceStatus
 
-from experiments.beam_model import BeamModel
 from experiments.cost_model import CostModel, CostParams
 from experiments.hardware import Setup
 from experiments.sim_executor import SimClock, SimulatedExecutor
@@ -78,13 +77,15 @@ class TraceResult:
 
 def build_engine(setup: Setup, system: str, block_size: int = 16, preemption_mode: Optional[str] = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2560, max_model_len: int = 2048,
-                 cost_params: CostParams = CostParams()) -> tuple[LLMEngine, SimulatedExecutor, SimClock]:
+                 cost_params: CostParams = CostParams(), beam_gap: float = 1.0
+                 ) -> tuple[LLMEngine, SimulatedExecutor, SimClock]:
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; choose one of {sorted(SYSTEMS)}")
     config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, preemption_mode, **SYSTEMS[system])
     bm = BlockManager(block_size, setup.num_gpu_blocks(block_size), setup.num_cpu_blocks(block_size))
     clock = SimClock()
-    executor = SimulatedExecutor(CostModel(setup, block_size, paged=system == "vllm", params=cost_params), clock)
+    executor = SimulatedExecutor(CostModel(setup, block_size, paged=system == "vllm", params=cost_params), clock,
+                                 beam_gap=beam_gap)
     engine = LLMEngine.from_components(config, bm, executor, setup.model.vocab_size, clock=clock)
     return engine, executor, clock
 
@@ -102,11 +103,11 @@ def run_trace(setup: Setup, system: str, requests: list[Request], rate: float = 
     Every ``sample_every`` steps before the last arrival, ``on_sample(engine)`` returns a dict
     of numbers to average (or None to skip).
     A run whose simulated time passes ``max_sim_time`` stops there (unfinished requests are
-    then counted with the latency they have so far: a lower bound). Beam search requests follow
-    :class:`experiments.beam_model.BeamModel` (``beam_gap``) where blocks are shared."""
-    engine, executor, clock = build_engine(setup, system, **engine_kwargs)
+    then counted with the latency they have so far: a lower bound). Beam search requests run the
+    engine's beam search over the executor's synthetic candidates (``beam_gap``, see
+    :mod:`experiments.sim_executor`) where blocks are shared."""
+    engine, executor, clock = build_engine(setup, system, beam_gap=beam_gap, **engine_kwargs)
     expand = SYSTEMS[system].get("kv_reservation") is not None  # no sharing: one request per sample
-    beams = BeamModel(beam_gap) if not expand and any(r.beam_width > 1 for r in requests) else None
     if any(r.prefix_len for r in requests) and system == "vllm":
         _pin_prefix(engine, requests[0], setup.model.vocab_size)
     t0 = time.perf_counter()
@@ -126,8 +127,6 @@ def run_trace(setup: Setup, system: str, requests: list[Request], rate: float = 
     while i < len(pending) or engine.has_unfinished_requests():
         while i < len(pending) and pending[i].arrival <= clock.now:
             _add(engine, pending[i], str(i), vocab, expand, groups)
-            if beams is not None and pending[i].beam_width > 1:
-                beams.add(str(i), pending[i].beam_width)
             arrival[str(i)] = pending[i].arrival
             i += 1
         if not engine.has_unfinished_requests():
@@ -145,8 +144,6 @@ def run_trace(setup: Setup, system: str, requests: list[Request], rate: float = 
             finish.update((rid, clock.now) for rid in batch_done)
         if not static or not engine.scheduler.running:
             batch_done.clear()
-        if beams is not None:
-            beams.after_step(engine)
         if sample_every and on_sample is not None and executor.stats.num_steps % sample_every == 0 \
                 and i < len(pending):  # not in the drain after the last arrival
             sample = on_sample(engine)
@@ -174,7 +171,9 @@ def _add(engine: LLMEngine, req: Request, rid: str, vocab: int, expand: bool, gr
         params = SamplingParams(max_tokens=req.output_len, ignore_eos=True)
     else:
         ids = [rid]
-        params = SamplingParams(n=width, best_of=width, max_tokens=req.output_len, ignore_eos=True)
+        beam = req.beam_width > 1
+        params = SamplingParams(n=width, best_of=width, max_tokens=req.output_len, ignore_eos=True,
+                                use_beam_search=beam, temperature=0 if beam else 1.0)
     for x in ids:
         engine.add_request(x, None, params, prompt_token_ids=tokens, arrival_time=req.arrival)
     groups[rid] = ids

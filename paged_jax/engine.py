@@ -353,11 +353,14 @@ class LLMEngine:
     def _append(self, seq: Sequence, smp, group: SequenceGroup) -> None:
         seq.append_token_id(smp.token_id, smp.logprob, smp.logprobs)
         self.num_generated_tokens += 1
-        new_text = self._detokenize(seq, group.sampling_params) if self.tokenizer is not None else ""
+        new_text = self._detokenize(seq, group.sampling_params)
         self._check_stop(seq, group.sampling_params, new_text)
 
     def _detokenize(self, seq: Sequence, params: SamplingParams) -> str:
-        """Incremental detokenization: emit text only once it is stable (no partial UTF-8)."""
+        """Incremental detokenization: emit text only once it is stable (no partial UTF-8).
+        Without a tokenizer (a simulator's engine) there is no text."""
+        if self.tokenizer is None:
+            return ""
         ids = seq.get_token_ids()
         skip = params.skip_special_tokens
         prefix = self.tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)

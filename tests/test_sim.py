@@ -114,25 +114,26 @@ def test_unknown_system():
         build_engine(OPT13, "orca")
 
 
-def test_beam_model_forks_and_frees_beams_with_sound_block_tables():
-    from experiments.beam_model import BeamModel
-
-    engine, _, _ = build_engine(OPT13, "vllm")
-    model = BeamModel(gap=1.0, seed=3)
+def test_simulated_beam_search_forks_and_frees_beams_with_sound_block_tables():
+    """Beam requests run the engine's beam search over the simulated executor's candidates."""
+    engine, executor, _ = build_engine(OPT13, "vllm")
     for i in range(3):
-        engine.add_request(f"b{i}", None, SamplingParams(n=4, best_of=4, max_tokens=30, ignore_eos=True),
+        engine.add_request(f"b{i}", None, SamplingParams(n=4, best_of=4, use_beam_search=True, temperature=0,
+                                                         max_tokens=30, ignore_eos=True),
                            prompt_token_ids=list(range(10, 50 + 7 * i)))
-        model.add(f"b{i}", 4)
-    done = {}
+    done, forked, shared = {}, 0, False
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-        model.after_step(engine)
         engine.block_manager.check_invariants()
         for g in engine.scheduler.running:
-            assert len(g.get_unfinished_seqs()) in (1, 4)  # the beam width holds (1 before the fork)
-    assert model.num_forks > 0 and model.num_forks == model.num_freed
+            beams = g.get_unfinished_seqs()
+            assert len(beams) in (1, 4)  # the beam width holds (1 before the first step's forks)
+            forked = max(forked, max(s.seq_id for s in beams))
+            tables = [engine.block_manager.get_block_table(s) for s in beams]
+            shared |= len(beams) > 1 and len({b for t in tables for b in t}) < sum(map(len, tables))
+    assert shared and forked > 3 * 4  # beams were re-forked after the first step
     assert all(len(o.outputs) == 4 and all(len(c.token_ids) == 30 for c in o.outputs) for o in done.values())
     bm = engine.block_manager
     assert bm.get_num_free_gpu_blocks() == bm.gpu_allocator.num_total_blocks
