@@ -4,8 +4,8 @@ two backends (paged-jax and Hugging Face transformers on torch) and the report.
 Both backends get the same model folder and the same requests: prompt token ids
 (random, seeded) and a fixed output length per request (EOS ignored:
 ``SamplingParams(max_tokens=L, ignore_eos=True)``; Hugging Face
-``min_new_tokens = max_new_tokens = L``). Sampling follows vLLM's benchmark:
-temperature 1.0, top-p 1.0 (beam search: greedy beams of width ``n``).
+``min_new_tokens = max_new_tokens = L``). Greedy by default on both; ``--temperature``
+samples (top-p 1.0, no top-k, as vLLM's benchmark with 1.0); beam search: beams of width ``n``.
 """
 
 from __future__ import annotations
@@ -78,6 +78,9 @@ def add_request_args(ap) -> None:
     ap.add_argument("--n", type=int, default=1, help="samples per prompt (beam width with --use-beam-search)")
     ap.add_argument("--use-beam-search", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="0: greedy on both backends (default; Hugging Face's multinomial sampling over 50257 "
+                         "tokens costs more than its forward pass on the CPU); vLLM's benchmark uses 1.0")
     ap.add_argument("--hf-max-batch-size", type=int, default=None,
                     help="hf backend: static batches of up to this many requests (default: one at a time)")
     ap.add_argument("--block-size", type=int, default=16)
@@ -118,7 +121,9 @@ def sampling_params(a, output_len: int):
     if a.use_beam_search:
         return SamplingParams(n=a.n, best_of=a.n, use_beam_search=True, temperature=0.0, max_tokens=output_len,
                               ignore_eos=True)
-    return SamplingParams(n=a.n, temperature=1.0, top_p=1.0, max_tokens=output_len, ignore_eos=True, seed=None)
+    if a.n > 1 and a.temperature == 0:
+        raise ValueError(f"--n {a.n} needs sampling: give --temperature > 0 (or --use-beam-search)")
+    return SamplingParams(n=a.n, temperature=a.temperature, top_p=1.0, max_tokens=output_len, ignore_eos=True)
 
 
 # ---- paged-jax ---------------------------------------------------------------
@@ -186,8 +191,12 @@ def run_hf(model, a, requests: list[Request], batch_size: int = 1) -> dict:
                 ids[i, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
                 mask[i, width - len(r.prompt_token_ids):] = 1
             out_len = max(r.output_len for r in batch)
-            kw = dict(num_beams=a.n, do_sample=False, num_return_sequences=a.n) if a.use_beam_search else dict(
-                do_sample=True, temperature=1.0, top_p=1.0, top_k=0, num_return_sequences=a.n)
+            if a.use_beam_search:
+                kw = dict(num_beams=a.n, do_sample=False, num_return_sequences=a.n)
+            elif a.temperature == 0:
+                kw = dict(do_sample=False)
+            else:
+                kw = dict(do_sample=True, temperature=a.temperature, top_p=1.0, top_k=0, num_return_sequences=a.n)
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=out_len, min_new_tokens=out_len,
                            pad_token_id=pad, **kw)
             latencies += [time.perf_counter() - t0] * len(batch)

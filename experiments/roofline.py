@@ -100,7 +100,7 @@ def engine_profile(model: str, num_prompts: int, input_len: int, output_len: int
     from paged_jax import LLM, SamplingParams
 
     llm = LLM(model, max_num_seqs=max_num_seqs, max_model_len=input_len + output_len, seed=0)
-    params = SamplingParams(temperature=1.0, max_tokens=output_len, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.llm_engine.warm_up(params)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(0, 50000, input_len).tolist() for _ in range(num_prompts)]

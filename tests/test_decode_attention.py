@@ -28,3 +28,7 @@ def test_decode_matches_reference(heads, kv_heads, block_size):
                                       jnp.ones(S, jnp.int32), 0.3)[:, 0]
     np.testing.assert_allclose(np.asarray(got)[:-1], np.asarray(want)[:-1], rtol=1e-5, atol=1e-5)
     assert np.isfinite(np.asarray(got)).all()
+    # In groups of sequences (what large batches do): the same values.
+    q8, t8, l8 = (jnp.concatenate([x, x[:3]]) for x in (q, jnp.asarray(tables), jnp.asarray(lens)))
+    grouped = paged_decode_attention(q8, k_cache, v_cache, t8, l8, 0.3, tokens_per_group=1)
+    np.testing.assert_allclose(np.asarray(grouped)[:5], np.asarray(got), rtol=1e-6, atol=1e-6)
