@@ -85,7 +85,7 @@ def main(argv=None):
     add_request_args(ap)
     ap.add_argument("--compare", action="store_true", help="HF one at a time, HF static batches, Orca(Max), ours")
     ap.add_argument("--hf-sequential-prompts", type=int, default=16)
-    ap.add_argument("--hf-batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[16, 32, 64])
+    ap.add_argument("--hf-batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[16, 32, 64, 128])
     ap.add_argument("--output-json", default=None)
     a = ap.parse_args(argv)
     if a.compare and a.dataset is None and a.input_len is None:
