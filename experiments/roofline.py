@@ -103,7 +103,8 @@ def engine_profile(model: str, num_prompts: int, input_len: int, output_len: int
     params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
     llm.llm_engine.warm_up(params)
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 50000, input_len).tolist() for _ in range(num_prompts)]
+    vocab = llm.llm_engine.model_config.vocab_size
+    prompts = [rng.integers(0, vocab, input_len).tolist() for _ in range(num_prompts)]
     before = llm.llm_engine.get_stats()
     t0 = time.perf_counter()
     llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
