@@ -32,6 +32,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices to split the model over (Megatron-style tensor parallelism)")
+    p.add_argument("--warm-up", action="store_true", help="compile every reachable step shape before serving")
 
 
 def _llm(a):
@@ -40,7 +41,8 @@ def _llm(a):
     return LLM(model=a.model, dtype=a.dtype, block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
                max_num_seqs=a.max_num_seqs, max_model_len=a.max_model_len, preemption_mode=a.preemption_mode,
                enable_chunked_prefill=a.enable_chunked_prefill, enable_prefix_caching=a.enable_prefix_caching,
-               attention_backend=a.attention_backend, seed=a.seed, tensor_parallel_size=a.tensor_parallel_size)
+               attention_backend=a.attention_backend, seed=a.seed, tensor_parallel_size=a.tensor_parallel_size,
+               warm_up=getattr(a, "warm_up", False))
 
 
 def cmd_generate(a) -> int:

@@ -146,6 +146,19 @@ class LLMEngine:
         self.num_steps = 0
         self._fork_copies: list[tuple[int, int]] = []
         self._pending_outputs: list[RequestOutput] = []
+        self.timings = {"schedule": 0.0, "execute": 0.0, "process": 0.0, "detokenize": 0.0}
+
+    def warm_up(self, sampling_params: Union[None, SamplingParams, list[SamplingParams]] = None,
+                progress: bool = True) -> int:
+        """Compile the step shapes a run can reach before the first request (batch sizes x
+        token counts x block-table widths up to max_num_seqs / max_num_batched_tokens /
+        max_model_len; see ``paged_jax.executor.batch.warmup_shapes``) and the sampler for
+        ``sampling_params`` (default greedy), so that serving compiles nothing. With JAX's
+        persistent compilation cache a second start loads them from disk. Returns the number
+        of step shapes compiled now."""
+        c = self.scheduler_config
+        return self.runner.warm_up(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len, sampling_params,
+                                   self.eos_token_id, progress)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -236,9 +249,14 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration. Returns the outputs of the requests it touched (finished ones last time)."""
         pending, self._pending_outputs = self._pending_outputs, []
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
         self.num_steps += 1
+        t1 = time.perf_counter()
         result = self.runner.execute(out, self.eos_token_id)
+        t2 = time.perf_counter()
+        self.timings["schedule"] += t1 - t0
+        self.timings["execute"] += t2 - t1
         touched: dict[str, SequenceGroup] = {g.request_id: g for g in out.ignored}
         beam_rows: dict[str, list] = {}
         for i, row in enumerate(out.scheduled):
@@ -285,6 +303,7 @@ class LLMEngine:
             if group.is_finished():
                 self._groups.pop(rid, None)
                 self._prompt_logprobs.pop(rid, None)
+        self.timings["process"] += time.perf_counter() - t2
         return outputs
 
     def _beam_step(self, group: SequenceGroup, rows: list) -> None:
@@ -361,6 +380,13 @@ class LLMEngine:
         Without a tokenizer (a simulator's engine) there is no text."""
         if self.tokenizer is None:
             return ""
+        t0 = time.perf_counter()
+        try:
+            return self._detokenize_new(seq, params)
+        finally:
+            self.timings["detokenize"] += time.perf_counter() - t0
+
+    def _detokenize_new(self, seq: Sequence, params: SamplingParams) -> str:
         ids = seq.get_token_ids()
         skip = params.skip_special_tokens
         prefix = self.tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
@@ -439,5 +465,8 @@ class LLMEngine:
             "num_compilations": getattr(self.runner, "num_compilations", 0),
             "num_generated_tokens": self.num_generated_tokens,
             "num_steps": self.num_steps,
-            "timings": dict(getattr(self.runner, "timings", {})),
+            # Seconds spent: engine (schedule = scheduler + block manager; process = appending tokens,
+            # stop checks and freeing, detokenize included) and executor (prepare = batch arrays,
+            # cache_ops, device = jitted forward, sample).
+            "timings": {**self.timings, **getattr(self.runner, "timings", {})},
         }

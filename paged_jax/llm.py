@@ -16,7 +16,8 @@ class LLM:
     Arguments are vLLM's (see :class:`EngineArgs`); ``model=None`` uses the
     bundled tiny LLaMA, built on first use without any download. ``model`` may also be
     a checkpoint written by ``paged-jax convert``; ``tensor_parallel_size=N`` splits the
-    model over N devices.
+    model over N devices. ``warm_up=True`` compiles the step shapes up front (greedy sampler;
+    call ``llm.llm_engine.warm_up(sampling_params)`` for others).
     """
 
     def __init__(self, model: Optional[str] = None, tokenizer: Optional[str] = None, dtype: str = "auto",
@@ -24,7 +25,8 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: Optional[int] = None,
                  max_model_len: Optional[int] = None, preemption_mode: Optional[str] = None,
                  enable_chunked_prefill: bool = False, enable_prefix_caching: bool = False,
-                 attention_backend: str = "reference", seed: int = 0, tensor_parallel_size: int = 1, **kwargs):
+                 attention_backend: str = "reference", seed: int = 0, tensor_parallel_size: int = 1,
+                 warm_up: bool = False, **kwargs):
         args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, block_size=block_size,
                           num_kv_blocks=num_kv_blocks, swap_space=swap_space, max_num_seqs=max_num_seqs,
                           max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
@@ -32,6 +34,8 @@ class LLM:
                           enable_prefix_caching=enable_prefix_caching, attention_backend=attention_backend,
                           seed=seed, tensor_parallel_size=tensor_parallel_size, **kwargs)
         self.llm_engine = LLMEngine(args)
+        if warm_up:  # compile every reachable step shape now (see LLMEngine.warm_up)
+            self.llm_engine.warm_up()
         self._counter = 0
 
     def add_prefix(self, prompt: Optional[str] = None, prompt_token_ids: Optional[Sequence[int]] = None) -> int:

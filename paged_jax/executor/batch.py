@@ -86,3 +86,60 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, min_tokens: int = 8, 
         t += n
     return Batch(input_ids, positions, slot_mapping, token_seq, token_qidx, block_tables, context_lens,
                  query_lens, logits_indices, Qp, S, T)
+
+
+def split_chunks(chunks: list[SeqChunk], one_batch: bool = False) -> list[tuple[int, list[int]]]:
+    """Group a step's chunks into batches: ``[(Q, row indices)]``, prompts first.
+
+    Decode rows (one token, ``Q = 1``) form one batch and prompt rows one batch per query-length
+    bucket ``Q``: in a single batch, attention pads every row to the longest query, and the step
+    shapes would be (tokens x rows x Q) instead of (rows x Q). ``one_batch``: all rows together
+    (``Q = 0``, the plain :func:`prepare_batch` buckets)."""
+    parts: dict[int, list[int]] = {}
+    for i, c in enumerate(chunks):
+        parts.setdefault(0 if one_batch else bucket(len(c.token_ids)), []).append(i)
+    return sorted(parts.items(), reverse=True)
+
+
+def prepare_part(chunks: list[SeqChunk], q: int, block_size: int) -> Batch:
+    """:func:`prepare_batch` for one group of :func:`split_chunks`: ``S`` prompt rows of query
+    bucket ``Q > 1`` are padded to ``bucket(S) * Q`` tokens (at least 8)."""
+    return prepare_batch(chunks, block_size, min_tokens=max(8, bucket(len(chunks)) * q))
+
+
+def warmup_shapes(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int,
+                  min_tokens: int = 8, min_blocks: int = 4) -> list[tuple[int, int, int, int]]:
+    """The step shapes (``Batch.shape_key``) a run can reach, for compiling them up front.
+
+    The runner batches decode rows (one token) together and prompt rows by their query-length
+    bucket ``Q`` (see ``ModelRunner.execute``), a batch of ``S`` prompt rows padded to ``S * Q``
+    tokens. So the shapes are: decode, every sequence bucket up to ``max_num_seqs`` times every
+    block-table bucket up to ``max_model_len``; prefill, every (``S``, ``Q``) whose rows fit the
+    token budget, with the block-table width a ``Q``-token prompt needs. Prefix caching and
+    chunked prefill can give prompt rows longer tables than their query: those shapes, and
+    the single batch of a step that asks for prompt logprobs, compile on first use."""
+    top_s = bucket(max_num_seqs)
+    top_b = bucket(-(-max_model_len // block_size), min_blocks)
+    shapes = []
+    s = 1
+    while s <= top_s:
+        b = min_blocks
+        while b <= top_b:
+            shapes.append((bucket(s, min_tokens), s, b, 1))
+            b *= 2
+        s *= 2
+    max_q = min(max_model_len, max_num_batched_tokens)
+    q = 2
+    while q <= bucket(max_q):
+        q_lo, q_hi = q // 2 + 1, min(q, max_q)
+        b_lo, b_hi = (bucket(-(-n // block_size), min_blocks) for n in (q_lo, q_hi))
+        s = 1
+        # s rows of this bucket: more than s // 2 of them, each more than q // 2 tokens.
+        while s <= top_s and (s // 2 + 1) * q_lo <= max_num_batched_tokens and s // 2 + 1 <= max_num_seqs:
+            b = b_lo
+            while b <= b_hi:
+                shapes.append((bucket(s * q, min_tokens), s, b, q))
+                b *= 2
+            s *= 2
+        q *= 2
+    return shapes

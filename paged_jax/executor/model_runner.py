@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.attention import AttentionMetadata, get_backend
-from paged_jax.executor.batch import Batch, SeqChunk, bucket, prepare_batch
+from paged_jax.executor.batch import Batch, SeqChunk, bucket, prepare_part, split_chunks, warmup_shapes
 from paged_jax.memory import cache_ops
 from paged_jax.models import compute_logits, forward
 from paged_jax.models.config import DTYPE_BYTES, ModelConfig
@@ -93,6 +93,11 @@ def num_blocks_for_memory(config: ModelConfig, block_size: int, nbytes: int) -> 
     return nbytes // (config.kv_bytes_per_token * block_size)
 
 
+@jax.jit
+def _take_rows(x, idx):
+    return x[idx]
+
+
 class ModelRunner:
     def __init__(self, config: ModelConfig, params, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
                  attention_backend: str = "reference", seed: int = 0, mesh=None):
@@ -113,6 +118,7 @@ class ModelRunner:
         self.kv_caches = cache_ops.allocate_kv_caches(num_blocks=num_gpu_blocks, sharding=self.kv_sharding, **shape)
         self.host_pool = cache_ops.allocate_host_pool(num_blocks=num_cpu_blocks, **shape)
         self._compiled: set = set()
+        self._executables: dict = {}  # (shape_key, all_logits) -> compiled step, filled by warm_up
         self._step = jax.jit(self._step_fn, static_argnums=(3, 4), donate_argnums=(1,), out_shardings=out_shardings)
         self._sample_step = 0
         self.timings = {"prepare": 0.0, "cache_ops": 0.0, "device": 0.0, "sample": 0.0}
@@ -128,14 +134,64 @@ class ModelRunner:
     @property
     def num_compilations(self) -> int:
         """Distinct step shapes compiled, plus sampler variants and cache-op shapes (process-wide)."""
-        return len(self._compiled) + sample._cache_size() + sum(cache_ops.num_compiled_shapes().values())
+        return (len(self._compiled) + sample._cache_size() + _take_rows._cache_size()
+                + sum(cache_ops.num_compiled_shapes().values()))
 
     def run_batch(self, batch: Batch, all_logits: bool = False) -> jax.Array:
         """The forward pass; returns the logits (on the device) of each row's last token, or of every token."""
-        self._compiled.add((batch.shape_key, all_logits))
+        key = (batch.shape_key, all_logits)
+        self._compiled.add(key)
         arrays = {k: getattr(batch, k) for k in BATCH_FIELDS}
-        logits, self.kv_caches = self._step(self.params, self.kv_caches, arrays, batch.max_query_len, all_logits)
+        compiled = self._executables.get(key)
+        if compiled is not None:
+            logits, self.kv_caches = compiled(self.params, self.kv_caches, arrays)
+        else:
+            logits, self.kv_caches = self._step(self.params, self.kv_caches, arrays, batch.max_query_len, all_logits)
         return logits
+
+    def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
+                sampling_params=None, eos_token_id: Optional[int] = None, progress: bool = True) -> int:
+        """Compile up front every step shape a run can reach (see :func:`warmup_shapes`),
+        ahead of time (nothing runs on the device), and the sampler for every row bucket
+        with ``sampling_params`` (default: greedy). Returns the number of step shapes compiled."""
+        from paged_jax.sampling_params import SamplingParams
+
+        shapes = [k for k in warmup_shapes(max_num_seqs, max_num_batched_tokens, max_model_len, self.block_size)
+                  if (k, False) not in self._executables]
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(shapes), desc="Compiling step shapes", dynamic_ncols=True)
+        try:
+            for key in shapes:
+                T, S, B, Q = key
+                spec = {k: jax.ShapeDtypeStruct((S, B) if k == "block_tables" else
+                                                ((S,) if k in ("context_lens", "query_lens", "logits_indices")
+                                                 else (T,)), np.int32) for k in BATCH_FIELDS}
+                self._executables[(key, False)] = self._step.lower(self.params, self.kv_caches, spec, Q,
+                                                                   False).compile()
+                self._compiled.add((key, False))
+                if bar is not None:
+                    bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        # The sampler, once per row bucket (it runs: a [rows, vocab] argmax is cheap).
+        plist = [sampling_params or SamplingParams(temperature=0)]
+        if isinstance(sampling_params, (list, tuple)):
+            plist = list(sampling_params)
+        n = 1
+        while n <= bucket(max_num_seqs):
+            logits = jnp.zeros((n, self.config.vocab_size), jnp.float32)
+            for p in plist:
+                seed = None if p.seed is None else seed_for_sample(p.seed, 0)
+                tensors = SamplingTensors.from_params([(p, seed, [0], [])] * n, self.config.vocab_size, pad_to=n,
+                                                      eos_token_id=eos_token_id, engine_seed=self.seed, step=0,
+                                                      num_top=pow2_bucket(p.logprobs) if p.logprobs else 0)
+                jax.block_until_ready(sample(logits, tensors))
+            n *= 2
+        return len(shapes)
 
     # ---- one engine step -----------------------------------------------------
     def execute(self, out: SchedulerOutput, eos_token_id: Optional[int] = None) -> StepResult:
@@ -162,20 +218,37 @@ class ModelRunner:
             return result
         chunks = [SeqChunk(r.seq.get_token_ids()[r.start_pos:r.start_pos + r.num_tokens], r.start_pos, r.block_table)
                   for r in out.scheduled]
-        batch = prepare_batch(chunks, self.block_size)
         want_prompt = [i for i, r in enumerate(out.scheduled)
                        if r.group.sampling_params.prompt_logprobs is not None and r.start_pos < r.seq.get_prompt_len()]
+        parts = split_chunks(chunks, one_batch=bool(want_prompt))
         t2 = time.perf_counter()
         self.timings["prepare"] += t2 - t1
-        logits = self.run_batch(batch, all_logits=bool(want_prompt))
+        for q, part in parts:
+            t1 = time.perf_counter()
+            batch = prepare_part([chunks[i] for i in part], q, self.block_size)
+            t2 = time.perf_counter()
+            self.timings["prepare"] += t2 - t1
+            # Waiting here (sampling would anyway) keeps the device time apart from sampling's.
+            logits = jax.block_until_ready(self.run_batch(batch, all_logits=bool(want_prompt)))
+            t3 = time.perf_counter()
+            self.timings["device"] += t3 - t2
+            self._sample_part(out, part, logits, batch, bool(want_prompt), eos_token_id, result)
+            self.timings["sample"] += time.perf_counter() - t3
         t3 = time.perf_counter()
-        self.timings["device"] += t3 - t2
-        row_of_logits = batch.logits_indices if want_prompt else np.arange(len(batch.logits_indices))
+        for i in want_prompt:
+            result.prompt_logprobs[i] = self._prompt_logprobs(out.scheduled[i], logits, batch, i)
+        self.timings["sample"] += time.perf_counter() - t3
+        return result
 
+    def _sample_part(self, out: SchedulerOutput, part: list[int], logits, batch: Batch, all_logits: bool,
+                     eos_token_id: Optional[int], result: StepResult) -> None:
+        """Sample the completing rows among ``out.scheduled[part]`` from ``logits`` (one per batch row)."""
+        row_of_logits = batch.logits_indices if all_logits else np.arange(len(batch.logits_indices))
         # Sampling rows: (scheduled row, sample index).
-        picks, rows = [], []
+        picks, rows, logit_rows = [], [], []
         num_top = 0
-        for i, r in enumerate(out.scheduled):
+        for b, i in enumerate(part):
+            r = out.scheduled[i]
             if not r.completes:
                 continue
             params = r.group.sampling_params
@@ -186,16 +259,19 @@ class ModelRunner:
                 sample_index = j if k > 1 else r.seq.sample_index
                 seed = None if params.seed is None else seed_for_sample(params.seed, sample_index)
                 picks.append((i, j))
+                logit_rows.append(row_of_logits[b])
                 rows.append((params, seed, r.seq.prompt_token_ids, r.seq.output_token_ids))
         if rows:
             n = bucket(len(rows))
             idx = np.zeros(n, np.int32)
-            idx[: len(rows)] = [row_of_logits[i] for i, _ in picks]
+            idx[: len(rows)] = logit_rows
             tensors = SamplingTensors.from_params(rows, self.config.vocab_size, pad_to=n, eos_token_id=eos_token_id,
                                                   engine_seed=self.seed, step=self._sample_step,
                                                   num_top=pow2_bucket(num_top) if num_top else 0)
             self._sample_step += 1
-            ids, lps, top_ids, top_lps = jax.device_get(sample(logits[idx], tensors))
+            # Every row samples (the usual case): the logits are already in order; padded rows are ignored.
+            same = n == logits.shape[0] and np.array_equal(idx[: len(rows)], np.arange(len(rows)))
+            ids, lps, top_ids, top_lps = jax.device_get(sample(logits if same else _take_rows(logits, idx), tensors))
             for r, (i, j) in enumerate(picks):
                 group = out.scheduled[i].group
                 want = group.sampling_params.logprobs
@@ -207,11 +283,6 @@ class ModelRunner:
                     k = max(group.beam.num_candidates, want or 0)
                     cands = ([int(t) for t in top_ids[r][:k]], [float(v) for v in top_lps[r][:k]])
                 result.samples.setdefault(i, []).append(Sample(int(ids[r]), float(lps[r]), entry, cands))
-        for i in want_prompt:
-            result.prompt_logprobs[i] = self._prompt_logprobs(out.scheduled[i], logits, batch, i)
-        self.timings["sample"] += time.perf_counter() - t3
-        return result
-
     def _prompt_logprobs(self, row, logits, batch: Batch, i: int) -> list[dict[int, float]]:
         """Logprob entries of the prompt tokens that follow the tokens this row ran."""
         start = int(batch.logits_indices[i]) - row.num_tokens + 1

@@ -1,0 +1,152 @@
+"""Decode-step roofline on this machine, and where an engine step's time goes.
+
+    python experiments/roofline.py                      # GPT-2-124M-shaped, batches 1..128, context 128
+    python experiments/roofline.py --batches 1,8,32 --context 64 --profile-prompts 32
+
+1. Measures, in this run, the machine's float32 matmul rate (a jitted square matmul) and its
+   memory read bandwidth (a jitted sum over a large array), both with JAX.
+2. Times the engine's jitted decode step (``ModelRunner.run_batch``: every sequence one new
+   token, ``--context`` tokens of KV each) for each batch size, and reports the floor
+   ``max(FLOPs / rate, bytes / bandwidth)`` and the fraction of it achieved (floor / measured).
+   FLOPs: 2 x multiply-adds of the projections, MLP and LM head per token, plus attention
+   (QK^T and PV over the context). Bytes: every weight once per step, plus each sequence's
+   K and V, plus the logits written.
+3. Runs ``--profile-prompts`` requests through the engine (all at once, fixed lengths) and
+   splits its step time into scheduler + block manager, batch preparation, device step,
+   sampling, and the engine's processing (detokenization shown on its own).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from bench_common import gpt2_124m_model
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def _best(fn, repeats: int) -> float:
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t)
+    return min(times)
+
+
+def machine_limits(repeats: int = 5) -> tuple[float, float]:
+    """(float32 matmul FLOP/s, memory read bytes/s), the best of ``repeats``."""
+    n = 2048
+    a = jnp.ones((n, n), jnp.float32)
+    b = jnp.ones((n, n), jnp.float32)
+    mm = jax.jit(lambda x, y: x @ y)
+    rate = 2 * n ** 3 / _best(lambda: mm(a, b), repeats)
+    big = jnp.ones((256 << 20) // 4, jnp.float32)  # 256 MiB, far beyond the caches
+    red = jax.jit(jnp.sum)
+    bw = big.nbytes / _best(lambda: red(big), repeats)
+    return rate, bw
+
+
+def step_cost(cfg, num_params: int, batch: int, context: int) -> tuple[float, float]:
+    """(FLOPs, bytes) of one decode step of ``batch`` sequences at ``context`` tokens."""
+    H, F, L, V = cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.vocab_size
+    kv_dim = cfg.num_kv_heads * cfg.head_dim
+    per_token = L * (H * (H + 2 * kv_dim) + H * H + 2 * H * F) + H * V  # multiply-adds of the matmuls
+    attn = L * 2 * context * cfg.num_heads * cfg.head_dim  # QK^T and PV
+    flops = 2.0 * batch * (per_token + attn)
+    dt = jnp.dtype(cfg.dtype).itemsize
+    nbytes = num_params * dt + batch * context * cfg.kv_bytes_per_token + batch * V * 4
+    return flops, nbytes
+
+
+def decode_roofline(model: str, batches: list[int], context: int, block_size: int, repeats: int) -> list[dict]:
+    from paged_jax.executor.batch import SeqChunk, prepare_batch
+    from paged_jax.executor.model_runner import ModelRunner
+    from paged_jax.parallel import load_for_serving
+
+    cfg, params, _ = load_for_serving(model, "float32", 1)
+    num_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
+    per_seq = -(-context // block_size)
+    runner = ModelRunner(cfg, params, block_size, max(batches) * per_seq + 1, 0)
+    rate, bw = machine_limits()
+    print(f"machine: float32 matmul {rate / 1e9:.0f} GFLOP/s, memory read {bw / 1e9:.1f} GB/s; "
+          f"model {num_params / 1e6:.1f} M parameters ({cfg.family}, {cfg.dtype}); context {context} tokens")
+    rows = []
+    for b in batches:
+        chunks = [SeqChunk([7], context - 1, list(range(1 + s * per_seq, 1 + (s + 1) * per_seq))) for s in range(b)]
+        batch = prepare_batch(chunks, block_size)
+        t = _best(lambda: runner.run_batch(batch), repeats)
+        flops, nbytes = step_cost(cfg, num_params, b, context)
+        floor = max(flops / rate, nbytes / bw)
+        rows.append({"batch": b, "step_ms": 1e3 * t, "floor_ms": 1e3 * floor, "fraction": floor / t,
+                     "bound": "compute" if flops / rate > nbytes / bw else "memory",
+                     "gflops": flops / t / 1e9, "gbytes_per_s": nbytes / t / 1e9, "tokens_per_s": b / t})
+        r = rows[-1]
+        print(f"batch {b:4d}: step {r['step_ms']:8.2f} ms, floor {r['floor_ms']:8.2f} ms ({r['bound']}-bound), "
+              f"achieved {100 * r['fraction']:5.1f}% of the floor; {r['gflops']:6.1f} GFLOP/s, "
+              f"{r['gbytes_per_s']:5.1f} GB/s, {r['tokens_per_s']:7.1f} tokens/s", flush=True)
+    return rows
+
+
+def engine_profile(model: str, num_prompts: int, input_len: int, output_len: int, max_num_seqs: int) -> dict:
+    from paged_jax import LLM, SamplingParams
+
+    llm = LLM(model, max_num_seqs=max_num_seqs, max_model_len=input_len + output_len, seed=0)
+    params = SamplingParams(temperature=0, max_tokens=output_len, ignore_eos=True)
+    llm.llm_engine.warm_up(params)
+    rng = np.random.default_rng(0)
+    vocab = llm.llm_engine.model_config.vocab_size
+    prompts = [rng.integers(0, vocab, input_len).tolist() for _ in range(num_prompts)]
+    before = llm.llm_engine.get_stats()
+    t0 = time.perf_counter()
+    llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    wall = time.perf_counter() - t0
+    after = llm.llm_engine.get_stats()
+    t = {k: after["timings"][k] - before["timings"][k] for k in after["timings"]}
+    parts = {"scheduler + block manager": t["schedule"], "batch preparation": t["prepare"] + t["cache_ops"],
+             "device step": t["device"], "sampling": t["sample"], "detokenization": t["detokenize"],
+             "other engine processing": t["process"] - t["detokenize"]}
+    total = sum(parts.values())
+    print(f"\nengine profile: {num_prompts} requests x ({input_len} in, {output_len} out), "
+          f"{after['num_steps'] - before['num_steps']} steps, {wall:.1f} s wall, "
+          f"{after['num_compilations'] - before['num_compilations']} compilations after warm-up")
+    for k, v in parts.items():
+        print(f"  {k:<28} {1e3 * v:9.1f} ms  {100 * v / total:5.1f}%")
+    overhead = (t["schedule"] + t["prepare"]) / total
+    print(f"  scheduler + block manager + batch preparation: {100 * overhead:.1f}% of step time")
+    return {"parts_s": parts, "overhead_fraction": overhead, "wall_s": wall}
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="model folder (default: a GPT-2-124M-shaped random model)")
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16, 32, 64, 128])
+    ap.add_argument("--context", type=int, default=128, help="tokens of KV per sequence")
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--profile-prompts", type=int, default=64, help="0: no engine profile")
+    ap.add_argument("--profile-lens", type=lambda s: [int(x) for x in s.split(",")], default=[32, 96],
+                    help="input,output tokens of the profiled requests")
+    ap.add_argument("--output-json", default=None)
+    a = ap.parse_args(argv)
+    if a.context < 1 or min(a.batches) < 1:
+        raise SystemExit(f"--context and --batches must be >= 1, got {a.context}, {a.batches}")
+    model = a.model or gpt2_124m_model()
+    out = {"roofline": decode_roofline(model, a.batches, a.context, a.block_size, a.repeats)}
+    if a.profile_prompts:
+        out["profile"] = engine_profile(model, a.profile_prompts, *a.profile_lens, max_num_seqs=a.profile_prompts)
+    if a.output_json:
+        Path(a.output_json).write_text(json.dumps(out, indent=2))
+    return out
+
+
+if __name__ == "__main__":
+    main()
