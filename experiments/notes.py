@@ -29,6 +29,11 @@ the first 10 % of each trace is not measured.
 when all of them are already waiting (`saturation_throughput`, between the 10th and 90th percentile
 of completions) -- the knee of each latency curve. The latency curves are then drawn at rates
 around each system's own knee. Ratios of these capacities are the "x times the request rate" numbers.
+**Bands.** Where the paper gives a range (Fig. 12's 1.7-2.7x, 2.7-8x), that range is the band.
+Where it gives a single value, the band is this project's choice: +-25 % around
+each Fig. 2 share, 0.5-2x around each Fig. 15 bar (the saving depends on lengths and branching that
+synthetic traces only approximate), 11-33x for FasterTransformer's "up to 22x", and the bands shown
+in the table for the others. A verdict "in band" is only as strong as its band.
 """
 
 FIGURE_NOTES = {
