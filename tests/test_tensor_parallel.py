@@ -147,11 +147,12 @@ def test_tp_more_families(hf_model_dir, tmp_path, variant):
 
 @pytest.mark.slow
 def test_tp_with_pallas_backend(hf_model_dir, tmp_path):
-    """The Pallas decode kernel (interpret mode on the CPU) runs per device inside shard_map."""
+    """The Pallas kernels (interpret mode on the CPU) run per device inside shard_map."""
     path = hf_model_dir("llama_gqa")
     short = dict(prompts=PROMPTS[:3], max_tokens=6)
     base, got = run_worker(tmp_path, [{**job(path, 1, **AMPLE), **short},
-                                      {**job(path, 2, attention_backend="pallas", **AMPLE), **short}], devices=2)
+                                      {**job(path, 2, attention_backend="pallas-interpret", **AMPLE), **short}],
+                            devices=2)
     assert got["tokens"] == base["tokens"]
 
 
