@@ -20,6 +20,7 @@ from paged_jax.outputs import CompletionOutput, RequestOutput, make_logprobs_dic
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
+from paged_jax.text import check_stop, detokenize_incrementally
 
 logger = logging.getLogger("paged_jax")
 
@@ -373,7 +374,7 @@ class LLMEngine:
         seq.append_token_id(smp.token_id, smp.logprob, smp.logprobs)
         self.num_generated_tokens += 1
         new_text = self._detokenize(seq, group.sampling_params)
-        self._check_stop(seq, group.sampling_params, new_text)
+        check_stop(seq, group.sampling_params, new_text, self.eos_token_ids, self.scheduler_config.max_model_len)
 
     def _detokenize(self, seq: Sequence, params: SamplingParams) -> str:
         """Incremental detokenization: emit text only once it is stable (no partial UTF-8).
@@ -382,46 +383,9 @@ class LLMEngine:
             return ""
         t0 = time.perf_counter()
         try:
-            return self._detokenize_new(seq, params)
+            return detokenize_incrementally(self.tokenizer, seq, params)
         finally:
             self.timings["detokenize"] += time.perf_counter() - t0
-
-    def _detokenize_new(self, seq: Sequence, params: SamplingParams) -> str:
-        ids = seq.get_token_ids()
-        skip = params.skip_special_tokens
-        prefix = self.tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
-        full = self.tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
-        if len(full) > len(prefix) and not full.endswith("\ufffd"):
-            new = full[len(prefix):]
-            seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
-            seq.output_text += new
-            return new
-        return ""
-
-    def _check_stop(self, seq: Sequence, p: SamplingParams, new_text: str) -> None:
-        out_len = seq.get_output_len()
-        if out_len >= p.min_tokens:
-            if p.stop and new_text:
-                window = len(new_text) + max(len(s) for s in p.stop) - 1
-                start = max(0, len(seq.output_text) - window)
-                for stop in p.stop:
-                    idx = seq.output_text.find(stop, start)
-                    if idx != -1:
-                        cut = idx + len(stop) if p.include_stop_str_in_output else idx
-                        seq.output_text = seq.output_text[:cut]
-                        seq.stop_reason = stop
-                        seq.status = SequenceStatus.FINISHED_STOPPED
-                        return
-            last = seq.get_last_token_id()
-            if not p.ignore_eos and last in self.eos_token_ids:
-                seq.status = SequenceStatus.FINISHED_STOPPED
-                return
-            if last in p.stop_token_ids:
-                seq.stop_reason = last
-                seq.status = SequenceStatus.FINISHED_STOPPED
-                return
-        if (p.max_tokens is not None and out_len >= p.max_tokens) or seq.get_len() >= self.scheduler_config.max_model_len:
-            seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
 
     def _request_output(self, group: SequenceGroup) -> RequestOutput:
         p = group.sampling_params
