@@ -10,6 +10,7 @@ from paged_jax.memory.block_manager import BlockManager
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.scheduler import Scheduler, SchedulerConfig, next_pow2
 from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
+from tests.test_scheduler import advance
 
 _ids = iter(range(10**9))
 BS = 4
@@ -28,17 +29,9 @@ def make(num_blocks=65, **cfg):
 
 
 def step(sched):
-    """Schedule, then do what the engine does: count computed tokens, append, finish at max_tokens."""
+    """Schedule, then do what the engine does (see tests/test_scheduler.py's ``advance``)."""
     out = sched.schedule()
-    for row in out.scheduled:
-        row.seq.num_computed_tokens += row.num_tokens
-        if row.seq.num_computed_tokens == row.seq.get_len():
-            row.seq.append_token_id(1)
-            if row.seq.get_output_len() >= row.group.sampling_params.max_tokens:
-                row.seq.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-                sched.free_seq(row.seq)
-    sched.free_finished_seq_groups()
-    sched.block_manager.check_invariants()
+    advance(sched, out)
     return out
 
 
