@@ -494,3 +494,9 @@ def test_stale_nan_and_inf_in_unused_slots_do_not_leak():
     want_dec = reference_f32(q[:, 0], k, v, tables, lens_a, 0.25)
     assert np.isfinite(want_dec).all()
     np.testing.assert_allclose(got_dec, want_dec, atol=1e-5)
+    # The engine's decode path for the reference backend (a CPU-friendly layout of the same function).
+    from paged_jax.attention import paged_decode_attention
+
+    got_fast = np.asarray(paged_decode_attention(jnp.asarray(q[:, 0]), jnp.asarray(k), jnp.asarray(v),
+                                                 jnp.asarray(tables), jnp.asarray(lens_a), 0.25))
+    np.testing.assert_allclose(got_fast, want_dec, atol=1e-5)

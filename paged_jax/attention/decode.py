@@ -42,7 +42,8 @@ def _decode_rows(q, k_cache, v_cache, block_tables, context_lens, scale):
     v = v_cache[block_tables].reshape(S, L, KVH, D).transpose(0, 2, 1, 3)
     qg = q.reshape(S, KVH, G, D)
     scores = jnp.einsum("skgd,skld->skgl", qg, k, preferred_element_type=jnp.float32) * scale
-    mask = (jnp.arange(L)[None, :] < context_lens[:, None])[:, None, None, :]
-    probs = jax.nn.softmax(jnp.where(mask, scores, -1e30), axis=-1)
+    valid = jnp.arange(L)[None, :] < context_lens[:, None]  # [S, L]
+    probs = jax.nn.softmax(jnp.where(valid[:, None, None, :], scores, -1e30), axis=-1)
+    v = jnp.where(valid[:, None, :, None], v, 0)  # a stale Inf/NaN in an unused slot must not reach probs @ v
     out = jnp.einsum("skgl,skld->skgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(S, H, D).astype(q.dtype)
