@@ -145,7 +145,6 @@ class LLMEngine:
         self._prefix_requests: dict[str, Optional[int]] = {}  # add_prefix requests -> pin handle once done
         self.num_generated_tokens = 0
         self.num_steps = 0
-        self._fork_copies: list[tuple[int, int]] = []
         self._pending_outputs: list[RequestOutput] = []
         self.timings = {"schedule": 0.0, "execute": 0.0, "process": 0.0, "detokenize": 0.0}
 
@@ -260,6 +259,7 @@ class LLMEngine:
         self.timings["execute"] += t2 - t1
         touched: dict[str, SequenceGroup] = {g.request_id: g for g in out.ignored}
         beam_rows: dict[str, list] = {}
+        fork_copies: list[tuple[int, int]] = []  # device copies of forked blocks (without block sharing)
         for i, row in enumerate(out.scheduled):
             seq, group = row.seq, row.group
             touched[group.request_id] = group
@@ -278,7 +278,7 @@ class LLMEngine:
             # The first sample continues ``seq``; extra ones (best_of > 1) fork from the prompt.
             for j, smp in enumerate(samples[1:], start=1):
                 child = seq.fork(next(self._seq_counter), sample_index=j)
-                self._fork_copies += self.block_manager.fork(seq, child)
+                fork_copies += self.block_manager.fork(seq, child)
                 group.add(child)
                 self._append(child, smp, group)
             self._append(seq, samples[0], group)
@@ -286,10 +286,9 @@ class LLMEngine:
             if self.block_manager.has_seq(row.seq):
                 self.block_manager.mark_blocks_computed(row.seq)
         for rid, rows in beam_rows.items():
-            self._beam_step(touched[rid], rows)
-        if self._fork_copies:  # without block sharing, forked sequences get copies of their parents' blocks
-            self.runner.execute(SchedulerOutput(blocks_to_copy=self._fork_copies))
-            self._fork_copies = []
+            fork_copies += self._beam_step(touched[rid], rows)
+        if fork_copies:  # without block sharing, forked sequences get copies of their parents' blocks
+            self.runner.execute(SchedulerOutput(blocks_to_copy=fork_copies))
         for group in touched.values():
             for seq in group.get_seqs():
                 if seq.is_finished() and self.block_manager.has_seq(seq):
@@ -307,8 +306,9 @@ class LLMEngine:
         self.timings["process"] += time.perf_counter() - t2
         return outputs
 
-    def _beam_step(self, group: SequenceGroup, rows: list) -> None:
-        """Advance a beam search by one token: keep, fork and free beams through the block manager."""
+    def _beam_step(self, group: SequenceGroup, rows: list) -> list[tuple[int, int]]:
+        """Advance a beam search by one token: keep, fork and free beams through the block manager.
+        Returns the device copies the forks need (none with block sharing)."""
         p, state = group.sampling_params, group.beam
         beams = [seq for seq, _ in rows]
         stops = self._stop_token_ids(p)
@@ -355,12 +355,12 @@ class LLMEngine:
             if b not in taken:
                 self.scheduler.free_seq(parent)
                 dropped.add(parent.seq_id)
-        plan, continued = [], set()
+        plan, continued, copies = [], set(), []
         for c in running:
             parent = beams[c.parent]
             if c.parent in continued:
                 child = parent.fork(next(self._seq_counter))
-                self._fork_copies += self.block_manager.fork(parent, child)
+                copies += self.block_manager.fork(parent, child)
                 group.add(child)
                 plan.append((child, c))
             else:
@@ -369,6 +369,7 @@ class LLMEngine:
         for seq, c in plan:
             extend(seq, c)
         group.seqs = [s for s in group.seqs if s.seq_id not in dropped]
+        return copies
 
     def _append(self, seq: Sequence, smp, group: SequenceGroup) -> None:
         seq.append_token_id(smp.token_id, smp.logprob, smp.logprobs)
