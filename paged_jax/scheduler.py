@@ -32,6 +32,7 @@ from typing import Optional
 
 from paged_jax.memory.block_manager import AllocStatus, BlockManager
 from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
+from paged_jax.utils import pow2_bucket
 
 logger = logging.getLogger("paged_jax")
 
@@ -42,10 +43,6 @@ class PreemptionMode(enum.Enum):
 
 
 RESERVATIONS = (None, "max", "pow2", "oracle")
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
 
 
 @dataclass
@@ -283,9 +280,9 @@ class Scheduler:
         if policy == "max" or out_len is None:
             asked = max_len
         else:
-            asked = min(max_len, seq.get_prompt_len() + (next_pow2(out_len) if policy == "pow2" else out_len))
+            asked = min(max_len, seq.get_prompt_len() + (pow2_bucket(out_len) if policy == "pow2" else out_len))
         asked = max(asked, seq.get_len())
-        return asked, (next_pow2(asked) if self.config.buddy_allocator else asked)
+        return asked, (pow2_bucket(asked) if self.config.buddy_allocator else asked)
 
     @staticmethod
     def _prefill_tokens(group: SequenceGroup, seq: Sequence) -> int:

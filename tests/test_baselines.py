@@ -8,7 +8,8 @@ import pytest
 
 from paged_jax.memory.block_manager import BlockManager
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.scheduler import Scheduler, SchedulerConfig, next_pow2
+from paged_jax.scheduler import Scheduler, SchedulerConfig
+from paged_jax.utils import pow2_bucket
 from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
 from tests.test_scheduler import advance
 
@@ -135,8 +136,8 @@ def test_bad_policy_config(kwargs, match):
         SchedulerConfig(**kwargs)
 
 
-def test_next_pow2():
-    assert [next_pow2(n) for n in (1, 2, 3, 16, 17, 2048)] == [1, 2, 4, 16, 32, 2048]
+def test_reservation_rounding_is_the_next_power_of_two():
+    assert [pow2_bucket(n) for n in (1, 2, 3, 16, 17, 2048)] == [1, 2, 4, 16, 32, 2048]
 
 
 @pytest.mark.parametrize("system", ["vllm", "orca-max", "orca-pow2", "orca-oracle", "ft"])
