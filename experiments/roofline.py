@@ -11,6 +11,9 @@
    FLOPs: 2 x multiply-adds of the projections, MLP and LM head per token, plus attention
    (QK^T and PV over the context). Bytes: every weight once per step, plus each sequence's
    K and V, plus the logits written.
+   Beside it, "matmuls alone": the same weight matrices multiplied in one jitted function
+   (no attention, norms or sampling) at the same batch, the most XLA's CPU matmuls give
+   when the weights stream from memory as they do in a step; the step can be no faster.
 3. Runs ``--profile-prompts`` requests through the engine (all at once, fixed lengths) and
    splits its step time into scheduler + block manager, batch preparation, device step,
    sampling, and the engine's processing (detokenization shown on its own).
@@ -67,6 +70,28 @@ def step_cost(cfg, num_params: int, batch: int, context: int) -> tuple[float, fl
     return flops, nbytes
 
 
+def matmuls_alone(params, batch: int):
+    """A jitted function running every weight matrix of the model (each layer's, then the LM
+    head) once on ``batch`` rows, chained so that nothing is dead code."""
+    layers = [[w for w in jax.tree_util.tree_leaves(lp) if w.ndim == 2] for lp in params["layers"]]
+    head = params["lm_head"] if "lm_head" in params else params["embed"].T
+    hidden = layers[0][0].shape[0]
+
+    def f(layers, head, h):
+        for ws in layers:
+            acts = {hidden: h}  # the newest activation of each width
+            for w in sorted(ws, key=lambda w: w.shape[0] != hidden):  # projections of h first, then their consumers
+                y = acts.get(w.shape[0], h[:, :1] + jnp.zeros((1, w.shape[0]), h.dtype)) @ w
+                acts[w.shape[1]] = y
+                if y.shape[1] == hidden:
+                    h = h + y
+        return h @ head
+
+    fn = jax.jit(f)
+    x = jnp.ones((batch, hidden), layers[0][0].dtype)
+    return lambda: fn(layers, head, x)
+
+
 def decode_roofline(model: str, batches: list[int], context: int, block_size: int, repeats: int) -> list[dict]:
     from paged_jax.executor.batch import SeqChunk, prepare_batch
     from paged_jax.executor.model_runner import ModelRunner
@@ -86,13 +111,16 @@ def decode_roofline(model: str, batches: list[int], context: int, block_size: in
         t = _best(lambda: runner.run_batch(batch), repeats)
         flops, nbytes = step_cost(cfg, num_params, b, context)
         floor = max(flops / rate, nbytes / bw)
+        t_mm = _best(matmuls_alone(params, b), repeats)
         rows.append({"batch": b, "step_ms": 1e3 * t, "floor_ms": 1e3 * floor, "fraction": floor / t,
+                     "matmuls_ms": 1e3 * t_mm, "matmuls_fraction": floor / t_mm,
                      "bound": "compute" if flops / rate > nbytes / bw else "memory",
                      "gflops": flops / t / 1e9, "gbytes_per_s": nbytes / t / 1e9, "tokens_per_s": b / t})
         r = rows[-1]
         print(f"batch {b:4d}: step {r['step_ms']:8.2f} ms, floor {r['floor_ms']:8.2f} ms ({r['bound']}-bound), "
               f"achieved {100 * r['fraction']:5.1f}% of the floor; {r['gflops']:6.1f} GFLOP/s, "
-              f"{r['gbytes_per_s']:5.1f} GB/s, {r['tokens_per_s']:7.1f} tokens/s", flush=True)
+              f"{r['gbytes_per_s']:5.1f} GB/s, {r['tokens_per_s']:7.1f} tokens/s; matmuls alone {r['matmuls_ms']:7.2f} ms "
+              f"({100 * r['matmuls_fraction']:5.1f}% of the floor)", flush=True)
     return rows
 
 

@@ -1,0 +1,137 @@
+"""The native CPU decode kernel (paged_jax/attention/native) against a numpy oracle, and its fallback."""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paged_jax.attention import native, paged_attention_reference, paged_decode_attention
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernel not built: {native.status()}")
+
+
+def numpy_decode(q, k_cache, v_cache, tables, lens, scale):
+    """Loops over sequences and heads, reading each token's K/V through the block table."""
+    S, H, D = q.shape
+    _, bs, KVH, _ = k_cache.shape
+    out = np.zeros((S, H, D), np.float64)
+    for s in range(S):
+        L = int(lens[s])
+        if L == 0:
+            continue
+        rows = [(tables[s][t // bs], t % bs) for t in range(L)]
+        for h in range(H):
+            kvh = h // (H // KVH)
+            k = np.stack([k_cache[b, o, kvh] for b, o in rows]).astype(np.float64)
+            v = np.stack([v_cache[b, o, kvh] for b, o in rows]).astype(np.float64)
+            x = k @ q[s, h] * scale
+            p = np.exp(x - x.max())
+            out[s, h] = (p / p.sum()) @ v
+    return out
+
+
+def make_case(rng, S, H, KVH, D, block_size, max_blocks, num_blocks, poison=True):
+    k_cache = rng.standard_normal((num_blocks, block_size, KVH, D)).astype(np.float32)
+    v_cache = rng.standard_normal((num_blocks, block_size, KVH, D)).astype(np.float32)
+    lens = rng.integers(1, max_blocks * block_size + 1, S).astype(np.int32)
+    lens[rng.integers(0, S)] = max_blocks * block_size  # one full row
+    tables = np.zeros((S, max_blocks), np.int32)
+    perm = rng.permutation(np.arange(1, num_blocks))
+    for s in range(S):
+        n = -(-int(lens[s]) // block_size)
+        tables[s, :n], perm = perm[:n], perm[n:]
+        if poison:  # stale Inf/NaN in the unused slots of the last block must not matter
+            last, used = tables[s, n - 1], int(lens[s]) - (n - 1) * block_size
+            k_cache[last, used:] = np.nan
+            v_cache[last, used:] = np.inf
+    if poison:
+        k_cache[0] = np.nan  # the null block, which pads every table
+        v_cache[0] = np.nan
+    q = rng.standard_normal((S, H, D)).astype(np.float32)
+    return q, k_cache, v_cache, tables, lens
+
+
+@pytest.mark.parametrize("H,KVH,D,block_size", [(4, 4, 8, 4), (8, 2, 64, 16), (6, 1, 20, 3), (12, 12, 64, 16),
+                                                (4, 2, 128, 1)])
+def test_native_matches_numpy(H, KVH, D, block_size):
+    rng = np.random.default_rng(H * 100 + D + block_size)
+    S, max_blocks = 37, 7  # more sequences than the thread pool's chunks
+    num_blocks = S * max_blocks + 1
+    q, k, v, tables, lens = make_case(rng, S, H, KVH, D, block_size, max_blocks, num_blocks)
+    scale = 1 / math.sqrt(D)
+    got = np.asarray(jax.jit(native.paged_decode, static_argnums=5)(q, k, v, tables, lens, scale))
+    want = numpy_decode(q, k, v, tables, lens, scale)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_padding_rows_and_empty_batch():
+    rng = np.random.default_rng(3)
+    q, k, v, tables, lens = make_case(rng, 6, 4, 2, 16, 4, 3, 19)
+    lens[[1, 4]] = 0  # padded rows: zeros, and their neighbours unaffected
+    got = np.asarray(native.paged_decode(q, k, v, tables, lens, 0.25))
+    assert (got[[1, 4]] == 0).all()
+    np.testing.assert_allclose(got, numpy_decode(q, k, v, tables, lens, 0.25), rtol=2e-5, atol=2e-5)
+    empty = native.paged_decode(q[:0], k, v, tables[:0], lens[:0], 0.25)
+    assert empty.shape == (0, 4, 16)
+
+
+def test_decode_entry_point_uses_native_and_agrees_with_jnp_and_reference():
+    rng = np.random.default_rng(5)
+    q, k, v, tables, lens = make_case(rng, 16, 8, 2, 32, 16, 4, 65, poison=False)
+    args = tuple(jnp.asarray(x) for x in (q, k, v, tables, lens))
+    fn = jax.jit(lambda *a: paged_decode_attention(*a, 0.2))
+    assert native.TARGET in fn.lower(*args).as_text()  # float32 on the CPU: the native kernel
+    jnp_path = jax.jit(lambda *a: paged_decode_attention(*a, 0.2, native=False))
+    assert native.TARGET not in jnp_path.lower(*args).as_text()
+    ref = paged_attention_reference(args[0][:, None], *args[1:], jnp.ones(16, jnp.int32), 0.2)[:, 0]
+    np.testing.assert_allclose(np.asarray(fn(*args)), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(jnp_path(*args)), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    # bfloat16 caches are not the native kernel's: the jnp path runs them.
+    bf = jax.jit(lambda q, k, v, t, l: paged_decode_attention(q, k, v, t, l, 0.2))
+    lowered = bf.lower(args[0].astype(jnp.bfloat16), args[1].astype(jnp.bfloat16), args[2].astype(jnp.bfloat16),
+                       *args[3:]).as_text()
+    assert native.TARGET not in lowered
+
+
+def test_engine_greedy_tokens_same_with_and_without_native(tiny_llama_dir, monkeypatch):
+    from paged_jax import LLM, SamplingParams
+
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(3, 200, int(n)).tolist() for n in rng.integers(2, 40, 12)]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+    def run():
+        llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=4, seed=0)
+        return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
+                                                             use_tqdm=False)]
+
+    with_native = run()
+    monkeypatch.setattr(native, "supports", lambda q, k: False)
+    assert run() == with_native
+
+
+def test_failed_build_falls_back_to_jnp(tmp_path, monkeypatch, caplog):
+    saved = dict(native._state)
+    try:
+        native._state.clear()
+        monkeypatch.setenv("PAGED_JAX_HOME", str(tmp_path))  # no cached library here
+        monkeypatch.setenv("CXX", "false")  # a compiler that always fails
+        with caplog.at_level(logging.WARNING, logger="paged_jax"):
+            assert not native.available()
+        assert "native CPU decode attention unavailable" in caplog.text and "failed" in native.status()["error"]
+        q = jnp.ones((2, 4, 8), jnp.float32)
+        k = jnp.ones((5, 4, 2, 8), jnp.float32)
+        out = paged_decode_attention(q, k, k, jnp.asarray([[1, 2], [3, 4]], jnp.int32), jnp.asarray([5, 8], jnp.int32),
+                                     0.5)
+        np.testing.assert_allclose(np.asarray(out), 1.0, rtol=1e-6)
+        monkeypatch.setenv("PAGED_JAX_NATIVE", "0")  # switched off: not even tried
+        native._state.clear()
+        assert not native.available() and native._state == {}
+    finally:
+        native._state.clear()
+        native._state.update(saved)
