@@ -11,9 +11,11 @@
    FLOPs: 2 x multiply-adds of the projections, MLP and LM head per token, plus attention
    (QK^T and PV over the context). Bytes: every weight once per step, plus each sequence's
    K and V, plus the logits written.
-   Beside it, "matmuls alone": the same weight matrices multiplied in one jitted function
-   (no attention, norms or sampling) at the same batch, the most XLA's CPU matmuls give
-   when the weights stream from memory as they do in a step; the step can be no faster.
+   Beside it, in the same run: the step with decode attention in jnp (``PAGED_JAX_NATIVE=0``,
+   the gather-then-contract path) instead of the native CPU kernel; and "matmuls alone", the
+   same weight matrices multiplied in one jitted function (no attention, norms or sampling)
+   at the same batch: the most XLA's CPU matmuls give when the weights stream from memory as
+   they do in a step, which the step cannot beat.
 3. Runs ``--profile-prompts`` requests through the engine (all at once, fixed lengths) and
    splits its step time into scheduler + block manager, batch preparation, device step,
    sampling, and the engine's processing (detokenization shown on its own).
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -45,7 +48,7 @@ def _best(fn, repeats: int) -> float:
     return min(times)
 
 
-def machine_limits(repeats: int = 5) -> tuple[float, float]:
+def machine_limits(repeats: int = 15) -> tuple[float, float]:
     """(float32 matmul FLOP/s, memory read bytes/s), the best of ``repeats``."""
     n = 2048
     a = jnp.ones((n, n), jnp.float32)
@@ -92,7 +95,23 @@ def matmuls_alone(params, batch: int):
     return lambda: fn(layers, head, x)
 
 
-def decode_roofline(model: str, batches: list[int], context: int, block_size: int, repeats: int) -> list[dict]:
+def _time_without_native(runner, batch, repeats: int) -> float:
+    """The step traced with the native decode kernel switched off (it is chosen when tracing)."""
+    old = os.environ.get("PAGED_JAX_NATIVE")
+    os.environ["PAGED_JAX_NATIVE"] = "0"
+    try:
+        jax.block_until_ready(runner.run_batch(batch))
+    finally:
+        if old is None:
+            del os.environ["PAGED_JAX_NATIVE"]
+        else:
+            os.environ["PAGED_JAX_NATIVE"] = old
+    return _best(lambda: runner.run_batch(batch), repeats)
+
+
+def decode_roofline(model: str, batches: list[int], context: int, block_size: int, repeats: int,
+                    compare_attention: bool = True) -> list[dict]:
+    from paged_jax.attention import native
     from paged_jax.executor.batch import SeqChunk, prepare_batch
     from paged_jax.executor.model_runner import ModelRunner
     from paged_jax.parallel import load_for_serving
@@ -101,8 +120,10 @@ def decode_roofline(model: str, batches: list[int], context: int, block_size: in
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
     per_seq = -(-context // block_size)
     runner = ModelRunner(cfg, params, block_size, max(batches) * per_seq + 1, 0)
+    jnp_runner = ModelRunner(cfg, params, block_size, max(batches) * per_seq + 1, 0) if compare_attention else None
     rate, bw = machine_limits()
     print(f"machine: float32 matmul {rate / 1e9:.0f} GFLOP/s, memory read {bw / 1e9:.1f} GB/s; "
+          f"decode attention: {'native CPU kernel' if native.available() else 'jnp'}; "
           f"model {num_params / 1e6:.1f} M parameters ({cfg.family}, {cfg.dtype}); context {context} tokens")
     rows = []
     for b in batches:
@@ -112,15 +133,18 @@ def decode_roofline(model: str, batches: list[int], context: int, block_size: in
         flops, nbytes = step_cost(cfg, num_params, b, context)
         floor = max(flops / rate, nbytes / bw)
         t_mm = _best(matmuls_alone(params, b), repeats)
+        t_jnp = _time_without_native(jnp_runner, batch, repeats) if jnp_runner else float("nan")
         rows.append({"batch": b, "step_ms": 1e3 * t, "floor_ms": 1e3 * floor, "fraction": floor / t,
                      "matmuls_ms": 1e3 * t_mm, "matmuls_fraction": floor / t_mm,
+                     "jnp_attention_step_ms": 1e3 * t_jnp, "jnp_attention_fraction": floor / t_jnp,
                      "bound": "compute" if flops / rate > nbytes / bw else "memory",
                      "gflops": flops / t / 1e9, "gbytes_per_s": nbytes / t / 1e9, "tokens_per_s": b / t})
         r = rows[-1]
         print(f"batch {b:4d}: step {r['step_ms']:8.2f} ms, floor {r['floor_ms']:8.2f} ms ({r['bound']}-bound), "
               f"achieved {100 * r['fraction']:5.1f}% of the floor; {r['gflops']:6.1f} GFLOP/s, "
               f"{r['gbytes_per_s']:5.1f} GB/s, {r['tokens_per_s']:7.1f} tokens/s; matmuls alone {r['matmuls_ms']:7.2f} ms "
-              f"({100 * r['matmuls_fraction']:5.1f}% of the floor)", flush=True)
+              f"({100 * r['matmuls_fraction']:5.1f}% of the floor); with jnp decode attention {r['jnp_attention_step_ms']:7.2f} ms "
+              f"({100 * r['jnp_attention_fraction']:5.1f}%)", flush=True)
     return rows
 
 
@@ -163,12 +187,15 @@ def main(argv=None):
     ap.add_argument("--profile-prompts", type=int, default=64, help="0: no engine profile")
     ap.add_argument("--profile-lens", type=lambda s: [int(x) for x in s.split(",")], default=[32, 96],
                     help="input,output tokens of the profiled requests")
+    ap.add_argument("--no-compare-attention", action="store_true",
+                    help="skip timing the step with jnp decode attention beside the native kernel")
     ap.add_argument("--output-json", default=None)
     a = ap.parse_args(argv)
     if a.context < 1 or min(a.batches) < 1:
         raise SystemExit(f"--context and --batches must be >= 1, got {a.context}, {a.batches}")
     model = a.model or gpt2_124m_model()
-    out = {"roofline": decode_roofline(model, a.batches, a.context, a.block_size, a.repeats)}
+    out = {"roofline": decode_roofline(model, a.batches, a.context, a.block_size, a.repeats,
+                                       compare_attention=not a.no_compare_attention)}
     if a.profile_prompts:
         out["profile"] = engine_profile(model, a.profile_prompts, *a.profile_lens, max_num_seqs=a.profile_prompts)
     if a.output_json:

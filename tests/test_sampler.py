@@ -423,3 +423,20 @@ def test_untruncated_rows_keep_every_token_in_a_truncating_batch():
     want = ref_logprobs(x[0], rows[0][0])
     assert np.isfinite(got[0]).all()
     np.testing.assert_allclose(got[0], want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("V,chunk", [(50, 1024), (4096, 1024), (5000, 1024), (37, 8), (33, 8)])
+def test_two_level_argmax_is_numpys_argmax(V, chunk):
+    from paged_jax.sampler import _argmax
+
+    rng = np.random.default_rng(V)
+    x = rng.standard_normal((12, V)).astype(np.float32)
+    x[1] = -np.inf  # all -inf: index 0
+    x[2, [3, V - 1]] = 9.0  # a tie far apart: the first
+    x[3, V - 1] = x[3, max(V - chunk - 1, 0)] = 9.0  # the tail ties with the chunk it overlaps: the earlier one
+    x[4, V - 2] = np.nan  # a NaN wins, as in np.argmax
+    x[5, [1, V - 1]] = np.nan
+    x[6] = 0.0  # all equal
+    x[7, V - 1] = 9.0  # the maximum in the short last chunk
+    got = np.asarray(jax.jit(_argmax, static_argnums=1)(jnp.asarray(x), chunk))
+    np.testing.assert_array_equal(got, np.argmax(x, axis=1))
