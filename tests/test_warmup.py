@@ -12,18 +12,23 @@ from paged_jax.executor.batch import SeqChunk, prepare_part, split_chunks, warmu
 CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32, block_size=8)
 
 
-def _random_step(rng, max_num_seqs, max_num_batched_tokens, max_model_len, block_size):
-    """A step the scheduler could emit: decode rows, then whole prompts within the token budget."""
+def _random_step(rng, max_num_seqs, max_num_batched_tokens, max_model_len, block_size, reserved=False):
+    """A step the scheduler could emit: decode rows, then whole prompts within the token budget.
+    ``reserved``: every table holds ``max_model_len`` tokens' blocks (``kv_reservation="max"``)."""
     chunks, budget = [], max_num_batched_tokens
+
+    def table(tokens):
+        return list(range(1, -(-(max_model_len if reserved else tokens) // block_size) + 1))
+
     for _ in range(int(rng.integers(0, max_num_seqs + 1))):
         ctx = int(rng.integers(2, max_model_len + 1))
-        chunks.append(SeqChunk([1], ctx - 1, list(range(1, -(-ctx // block_size) + 1))))
+        chunks.append(SeqChunk([1], ctx - 1, table(ctx)))
         budget -= 1
     top = np.log(min(max_num_batched_tokens, max_model_len) + 1)
     lo, hi = sorted(rng.uniform(0, top, 2))  # prompt lengths of this step: log-uniform in a random range
     while len(chunks) < max_num_seqs and budget > 0 and rng.random() < 0.95:
         q = min(budget, max_model_len, max(1, int(np.exp(rng.uniform(lo, hi)))))
-        chunks.append(SeqChunk([1] * q, 0, list(range(1, -(-q // block_size) + 1))))
+        chunks.append(SeqChunk([1] * q, 0, table(q)))
         budget -= q
     return chunks
 
@@ -34,8 +39,8 @@ def test_warmup_shapes_cover_every_batch(cfg):
     shapes = set(warmup_shapes(*cfg))
     rng = np.random.default_rng(0)
     seen = set()
-    for _ in range(4000):
-        chunks = _random_step(rng, *cfg)
+    for i in range(4000):
+        chunks = _random_step(rng, *cfg, reserved=i % 2 == 1)
         if not chunks:
             continue
         rows = []

@@ -21,7 +21,7 @@ NULL_BLOCK = 0  # reserved physical block that padded rows read and padded token
 class SeqChunk:
     token_ids: list[int]  # the tokens to run this step
     start_pos: int  # position of token_ids[0] (= tokens already in the cache)
-    block_table: list[int]  # covers start_pos + len(token_ids) tokens
+    block_table: list[int]  # covers start_pos + len(token_ids) tokens (blocks past them are not sent)
 
 
 @dataclass
@@ -51,7 +51,9 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, min_tokens: int = 8, 
     S = len(chunks)
     T = sum(len(c.token_ids) for c in chunks)
     max_q = max(len(c.token_ids) for c in chunks)
-    max_b = max(len(c.block_table) for c in chunks)
+    # Only the blocks holding the tokens so far: a table reserved further ahead (kv_reservation)
+    # would widen the step's shape and what attention reads, for blocks it never looks at.
+    max_b = max(min(len(c.block_table), -(-(c.start_pos + len(c.token_ids)) // block_size)) for c in chunks)
     Tp, Sp, Bp = bucket(T, min_tokens), bucket(S, min_seqs), bucket(max_b, min_blocks)
     Qp = bucket(max_q)
 
@@ -73,7 +75,7 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, min_tokens: int = 8, 
             raise ValueError(f"block table of sequence row {s} holds {len(c.block_table)} blocks, "
                              f"too few for {end} tokens at block size {block_size}")
         pos = np.arange(c.start_pos, end, dtype=np.int32)
-        table = np.asarray(c.block_table, np.int32)
+        table = np.asarray(c.block_table[:-(-end // block_size)], np.int32)
         input_ids[t:t + n] = c.token_ids
         positions[t:t + n] = pos
         slot_mapping[t:t + n] = table[pos // block_size] * block_size + pos % block_size
