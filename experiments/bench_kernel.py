@@ -12,8 +12,9 @@ measures its paged CUDA kernel 20-26 % slower than FasterTransformer's.
   contiguous decode kernel (``jax.experimental.pallas.ops.gpu.decode_attention.gqa``), and
   the jnp reference paged path against dense XLA attention.
 - On the CPU: the jnp reference paged path (a gather through the block table, then attention)
-  against dense XLA attention over the contiguous cache. The Pallas kernels run only in
-  interpret mode there, which says nothing about their speed.
+  and, for float32, the native CPU decode kernel (``paged_jax/attention/native``: reads K/V
+  through the block table, no gather) against dense XLA attention over the contiguous cache.
+  The Pallas kernels run only in interpret mode there, which says nothing about their speed.
 
     python experiments/bench_kernel.py [--batch 8 32] [--context 64 128 256] [--dtype float32]
 """
@@ -67,8 +68,8 @@ def make_inputs(S, L, H, KVH, D, block_size, dtype, seed=0):
                 tables=jnp.asarray(tables), lens=jnp.full((S,), L, jnp.int32))
 
 
-def variants(on_gpu: bool, scale: float):
-    """name -> (jitted fn, which inputs); paired as (paged, contiguous) rows of the table."""
+def variants(on_gpu: bool, scale: float, dtype: str):
+    """(name -> (jitted fn, which inputs), [(paged name, contiguous name)] to compare)."""
     v = {
         "paged jnp reference": (jax.jit(functools.partial(paged_reference, scale=scale)),
                                 ("q", "k_pool", "v_pool", "tables", "lens")),
@@ -91,7 +92,15 @@ def variants(on_gpu: bool, scale: float):
 
         v["paged Pallas kernel"] = (jax.jit(pallas_paged), ("q", "k_pool", "v_pool", "tables", "lens"))
         v["contiguous Pallas kernel"] = (jax.jit(pallas_contiguous), ("q", "k", "v", "lens"))
-    return v
+        return v, [("paged jnp reference", "contiguous XLA dense"), ("paged Pallas kernel", "contiguous Pallas kernel")]
+    pairs = [("paged jnp reference", "contiguous XLA dense")]
+    from paged_jax.attention import native
+
+    if dtype == "float32" and native.available():
+        v["paged native CPU kernel"] = (jax.jit(functools.partial(native.paged_decode, scale=scale)),
+                                        ("q", "k_pool", "v_pool", "tables", "lens"))
+        pairs.append(("paged native CPU kernel", "contiguous XLA dense"))
+    return v, pairs
 
 
 def bench(fns, inputs, iters: int, repeats: int) -> dict[str, float]:
@@ -134,12 +143,11 @@ def main(argv=None) -> int:
     iters = a.iters or (100 if on_gpu else 10)
     H, D = a.num_heads, a.head_dim
     KVH = a.num_kv_heads or H
-    fns = variants(on_gpu, D ** -0.5)
+    fns, pairs = variants(on_gpu, D ** -0.5, dtype)
     names = list(fns)
     print(f"# decode attention, one layer: {H} heads ({KVH} KV heads) x {D}, block size {a.block_size}, {dtype}, "
           f"{jax.devices()[0].device_kind} ({jax.default_backend()}); median of {a.repeats} x {iters} calls, us")
     header = "batch context " + " ".join(f"{n:>24s}" for n in names)
-    pairs = [(names[i], names[i + 1]) for i in range(0, len(names), 2)]
     header += " " + " ".join(f"{'ratio ' + pn.split()[1]:>18s}" for pn, _ in pairs)
     print(header)
     for S in a.batch:

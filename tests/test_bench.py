@@ -90,3 +90,4 @@ def test_compare_and_roofline(gpt2_dir, capsys):
     out = roofline.main(["--model", gpt2_dir, "--batches", "1,2", "--context", "8", "--repeats", "1",
                          "--profile-prompts", "2", "--profile-lens", "4,4"])
     assert all(0 < r["fraction"] for r in out["roofline"]) and out["profile"]["parts_s"]["device step"] > 0
+    assert all(r["matmuls_ms"] > 0 and r["jnp_attention_step_ms"] > 0 for r in out["roofline"])

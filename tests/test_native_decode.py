@@ -80,6 +80,18 @@ def test_padding_rows_and_empty_batch():
     assert empty.shape == (0, 4, 16)
 
 
+def test_mismatched_shapes_are_refused_with_the_shapes():
+    q = jnp.zeros((2, 6, 8), jnp.float32)
+    k = jnp.zeros((5, 4, 4, 8), jnp.float32)  # 4 KV heads do not divide 6 query heads
+    tables, lens = jnp.zeros((2, 3), jnp.int32), jnp.ones(2, jnp.int32)
+    with pytest.raises(ValueError, match=r"6 query heads.*\(5, 4, 4, 8\)"):
+        native.paged_decode(q, k, k, tables, lens, 1.0)
+    with pytest.raises(ValueError, match=r"got q \(2, 6\)"):
+        native.paged_decode(q[:, :, 0], k, k, tables, lens, 1.0)
+    with pytest.raises(ValueError, match="context_lens"):
+        native.paged_decode(q[:, :4], k, k, tables, lens[:1], 1.0)
+
+
 def test_decode_entry_point_uses_native_and_agrees_with_jnp_and_reference():
     rng = np.random.default_rng(5)
     q, k, v, tables, lens = make_case(rng, 16, 8, 2, 32, 16, 4, 65, poison=False)

@@ -459,12 +459,17 @@ def test_bench_kernel_runs_small_on_cpu(capsys):
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if not line.startswith(("#", "batch"))]
     assert [r[:2] for r in rows] == [["2", "16"], ["2", "40"]]
     assert all(float(x) > 0 for r in rows for x in r[2:])
+    from paged_jax.attention import native
+
+    if native.available():  # the native kernel's column and its ratio beside the jnp reference's
+        assert all(len(r) == 2 + 3 + 2 for r in rows)
 
 
 def test_bench_kernel_gpu_variants_lower_for_cuda():
     """The GPU columns (our paged kernel, JAX's contiguous Pallas kernel) lower for CUDA in Fig. 18a's shapes."""
     bench = _bench_module()
-    fns = bench.variants(on_gpu=True, scale=128 ** -0.5)
+    fns, pairs = bench.variants(on_gpu=True, scale=128 ** -0.5, dtype="float16")
+    assert ("paged Pallas kernel", "contiguous Pallas kernel") in pairs
     for L in (64, 256):
         inputs = {k: jax.ShapeDtypeStruct(x.shape, x.dtype)
                   for k, x in bench.make_inputs(2, L, 8, 8, 128, 16, "float16").items()}

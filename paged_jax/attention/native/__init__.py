@@ -121,6 +121,16 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float) 
     import jax
     import jax.numpy as jnp
 
+    if q.ndim != 3 or k_cache.ndim != 4 or v_cache.shape != k_cache.shape or block_tables.ndim != 2:
+        raise ValueError(f"paged_decode takes q [S, H, D], caches [blocks, block_size, kv_heads, D] and tables "
+                         f"[S, max_blocks]; got q {q.shape}, k {k_cache.shape}, v {v_cache.shape}, "
+                         f"tables {block_tables.shape}")
+    S, H, D = q.shape
+    KVH = k_cache.shape[2]
+    if k_cache.shape[3] != D or H % KVH or block_tables.shape[0] != S or context_lens.shape != (S,):
+        raise ValueError(f"paged_decode: {H} query heads of {D} need kv_heads dividing {H} and head_dim {D}, and "
+                         f"{S} rows of tables and lengths; got k {k_cache.shape}, tables {block_tables.shape}, "
+                         f"context_lens {context_lens.shape}")
     return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))(
         q, k_cache, v_cache, block_tables.astype(jnp.int32), context_lens.astype(jnp.int32),
         scale=np.float32(scale))

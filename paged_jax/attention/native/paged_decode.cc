@@ -138,12 +138,13 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
                 ffi::Buffer<ffi::F32> v, ffi::Buffer<ffi::S32> bt, ffi::Buffer<ffi::S32> lens,
                 float scale, ffi::ResultBuffer<ffi::F32> out) {
   auto qd = q.dimensions(), kd = k.dimensions(), bd = bt.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2 ||
+  if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2 || v.dimensions().size() != 4 ||
       !std::equal(kd.begin(), kd.end(), v.dimensions().begin()))
     return ffi::Error::InvalidArgument("paged_decode: expected q [S,H,D], caches [NB,BS,KVH,D], tables [S,MB]");
   Problem p{q.typed_data(), k.typed_data(), v.typed_data(), bt.typed_data(), lens.typed_data(),
             out->typed_data(), qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], bd[1], scale};
-  if (kd[3] != p.D || p.KVH <= 0 || p.H % p.KVH != 0 || bd[0] != p.S)
+  if (kd[3] != p.D || p.KVH <= 0 || p.H % p.KVH != 0 || bd[0] != p.S || lens.dimensions().size() != 1 ||
+      lens.dimensions()[0] != p.S)
     return ffi::Error::InvalidArgument("paged_decode: head counts or sizes do not match");
   const int64_t pairs = p.S;
   if (pairs == 0) return ffi::Error::Success();
