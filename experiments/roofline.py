@@ -13,9 +13,9 @@
    K and V, plus the logits written.
    Beside it, in the same run: the step with decode attention in jnp (``PAGED_JAX_NATIVE=0``,
    the gather-then-contract path) instead of the native CPU kernel; and "matmuls alone", the
-   same weight matrices multiplied in one jitted function (no attention, norms or sampling)
-   at the same batch: the most XLA's CPU matmuls give when the weights stream from memory as
-   they do in a step, which the step cannot beat.
+   same weight matrices multiplied one after another in one jitted function (no attention,
+   norms or sampling) at the same batch: what XLA's CPU matmuls give when the weights stream
+   from memory as they do in a step, which the step cannot beat.
 3. Runs ``--profile-prompts`` requests through the engine (all at once, fixed lengths) and
    splits its step time into scheduler + block manager, batch preparation, device step,
    sampling, and the engine's processing (detokenization shown on its own).
@@ -77,20 +77,21 @@ def step_cost(cfg, num_params: int, batch: int, context: int) -> tuple[float, fl
 
 def matmuls_alone(params, batch: int):
     """A jitted function running every weight matrix of the model (each layer's, then the LM
-    head) once on ``batch`` rows, chained so that nothing is dead code."""
+    head) once on ``batch`` rows, each matmul taking the previous one's output (cut or tiled
+    to its width): one chain, as in the model, so XLA cannot run two of them at once."""
     layers = [[w for w in jax.tree_util.tree_leaves(lp) if w.ndim == 2] for lp in params["layers"]]
     head = params["lm_head"] if "lm_head" in params else params["embed"].T
     hidden = layers[0][0].shape[0]
 
+    def fit(y, width):
+        return y[:, :width] if y.shape[1] >= width else jnp.tile(y, (1, -(-width // y.shape[1])))[:, :width]
+
     def f(layers, head, h):
+        y = h
         for ws in layers:
-            acts = {hidden: h}  # the newest activation of each width
-            for w in sorted(ws, key=lambda w: w.shape[0] != hidden):  # projections of h first, then their consumers
-                y = acts.get(w.shape[0], h[:, :1] + jnp.zeros((1, w.shape[0]), h.dtype)) @ w
-                acts[w.shape[1]] = y
-                if y.shape[1] == hidden:
-                    h = h + y
-        return h @ head
+            for w in ws:
+                y = fit(y, w.shape[0]) @ w
+        return fit(y, hidden) @ head
 
     fn = jax.jit(f)
     x = jnp.ones((batch, hidden), layers[0][0].dtype)
@@ -185,7 +186,7 @@ def main(argv=None):
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4, 8, 16, 32, 64, 128])
     ap.add_argument("--context", type=int, default=128, help="tokens of KV per sequence")
     ap.add_argument("--block-size", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--profile-prompts", type=int, default=64, help="0: no engine profile")
     ap.add_argument("--profile-lens", type=lambda s: [int(x) for x in s.split(",")], default=[32, 96],
                     help="input,output tokens of the profiled requests")
