@@ -75,13 +75,14 @@ def step_cost(cfg, num_params: int, batch: int, context: int) -> tuple[float, fl
     return flops, nbytes
 
 
-def matmuls_alone(params, batch: int):
-    """A jitted function running every weight matrix of the model (each layer's, then the LM
-    head) once on ``batch`` rows, each matmul taking the previous one's output (cut or tiled
-    to its width): one chain, as in the model, so XLA cannot run two of them at once."""
-    layers = [[w for w in jax.tree_util.tree_leaves(lp) if w.ndim == 2] for lp in params["layers"]]
+def matmuls_alone(params, hidden: int, batch: int):
+    """A jitted function running every weight matrix of the model (each layer's in the order
+    the layer uses them, then the LM head) once on ``batch`` rows, each matmul taking the
+    previous one's output (cut or tiled to its width): one chain, as in the model, so XLA
+    cannot run two of them at once."""
+    layers = [[p["w"] for p in lp.values() if isinstance(p, dict) and getattr(p.get("w"), "ndim", 0) == 2]
+              for lp in params["layers"]]
     head = params["lm_head"] if "lm_head" in params else params["embed"].T
-    hidden = layers[0][0].shape[0]
 
     def fit(y, width):
         return y[:, :width] if y.shape[1] >= width else jnp.tile(y, (1, -(-width // y.shape[1])))[:, :width]
@@ -94,7 +95,7 @@ def matmuls_alone(params, batch: int):
         return fit(y, hidden) @ head
 
     fn = jax.jit(f)
-    x = jnp.ones((batch, hidden), layers[0][0].dtype)
+    x = jnp.ones((batch, hidden), head.dtype)
     return lambda: fn(layers, head, x)
 
 
@@ -135,19 +136,20 @@ def decode_roofline(model: str, batches: list[int], context: int, block_size: in
         t = _best(lambda: runner.run_batch(batch), repeats)
         flops, nbytes = step_cost(cfg, num_params, b, context)
         floor = max(flops / rate, nbytes / bw)
-        t_mm = _best(matmuls_alone(params, b), repeats)
-        t_jnp = _time_without_native(jnp_runner, batch, repeats) if jnp_runner else float("nan")
+        t_mm = _best(matmuls_alone(params, cfg.hidden_size, b), repeats)
+        t_jnp = _time_without_native(jnp_runner, batch, repeats) if jnp_runner else None
         rows.append({"batch": b, "step_ms": 1e3 * t, "floor_ms": 1e3 * floor, "fraction": floor / t,
                      "matmuls_ms": 1e3 * t_mm, "matmuls_fraction": floor / t_mm,
-                     "jnp_attention_step_ms": 1e3 * t_jnp, "jnp_attention_fraction": floor / t_jnp,
+                     "jnp_attention_step_ms": t_jnp and 1e3 * t_jnp, "jnp_attention_fraction": t_jnp and floor / t_jnp,
                      "bound": "compute" if flops / rate > nbytes / bw else "memory",
                      "gflops": flops / t / 1e9, "gbytes_per_s": nbytes / t / 1e9, "tokens_per_s": b / t})
         r = rows[-1]
         print(f"batch {b:4d}: step {r['step_ms']:8.2f} ms, floor {r['floor_ms']:8.2f} ms ({r['bound']}-bound), "
               f"achieved {100 * r['fraction']:5.1f}% of the floor; {r['gflops']:6.1f} GFLOP/s, "
               f"{r['gbytes_per_s']:5.1f} GB/s, {r['tokens_per_s']:7.1f} tokens/s; matmuls alone {r['matmuls_ms']:7.2f} ms "
-              f"({100 * r['matmuls_fraction']:5.1f}% of the floor); with jnp decode attention {r['jnp_attention_step_ms']:7.2f} ms "
-              f"({100 * r['jnp_attention_fraction']:5.1f}%)", flush=True)
+              f"({100 * r['matmuls_fraction']:5.1f}% of the floor)"
+              + (f"; with jnp decode attention {r['jnp_attention_step_ms']:7.2f} ms "
+                 f"({100 * r['jnp_attention_fraction']:5.1f}%)" if t_jnp else ""), flush=True)
     return rows
 
 

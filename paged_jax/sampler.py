@@ -401,10 +401,12 @@ def _argmax(x, chunk: int = 1024):
     chunk holding the maximum, then the place in it; XLA's CPU backend runs the one-level
     index reduction over a 50k vocabulary 5-10x slower."""
     S, V = x.shape
-    if V <= chunk:
-        return jnp.argmax(x, axis=-1).astype(jnp.int32)
+
     def key(v):  # XLA's CPU max may drop NaNs; computed inside each reduction, not stored
         return jnp.where(jnp.isnan(v), jnp.inf, v)
+
+    if V <= chunk:
+        return jnp.argmax(key(x), axis=-1).astype(jnp.int32)
 
     n = V // chunk
     maxima = key(x[:, :n * chunk].reshape(S, n, chunk)).max(axis=-1)

@@ -77,6 +77,18 @@ def test_step_cost_counts_gpt2_124m():
     assert f2 == 2 * flops + 2 * 2 * 2 * 100 * 12 * 768 and b2 - 2 * nbytes + 124_439_808 * 4 == 2 * 100 * 12 * 2 * 768 * 4
 
 
+@pytest.mark.parametrize("family", ["llama", "gpt2", "opt"])
+def test_matmuls_alone_chains_every_weight_of_each_family(family, tmp_path):
+    import roofline
+
+    from paged_jax.models.tiny import make_tiny_model
+    from paged_jax.parallel import load_for_serving
+
+    cfg, params, _ = load_for_serving(str(make_tiny_model(tmp_path / family, family=family, seed=0)), "float32", 1)
+    out = roofline.matmuls_alone(params, cfg.hidden_size, 3)()
+    assert out.shape == (3, cfg.vocab_size)
+
+
 @pytest.mark.slow
 def test_compare_and_roofline(gpt2_dir, capsys):
     import bench_throughput

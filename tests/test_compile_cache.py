@@ -48,3 +48,6 @@ def test_second_start_loads_programs_from_the_cache(tiny_llama_dir, tmp_path):
     assert first["misses"] > 0 and first["hits"] == 0
     assert second["hits"] >= first["misses"] and second["misses"] == 0
     assert second["tokens"] == first["tokens"]
+    from paged_jax.attention import native
+
+    assert first["native"] == second["native"] == native.available()  # the programs held the native kernel

@@ -12,7 +12,7 @@ import pytest
 
 from paged_jax.attention import native, paged_attention_reference, paged_decode_attention
 
-pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernel not built: {native.status()}")
+needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernel not built: {native.status()}")
 
 
 def numpy_decode(q, k_cache, v_cache, tables, lens, scale):
@@ -56,6 +56,7 @@ def make_case(rng, S, H, KVH, D, block_size, max_blocks, num_blocks, poison=True
     return q, k_cache, v_cache, tables, lens
 
 
+@needs_native
 @pytest.mark.parametrize("H,KVH,D,block_size", [(4, 4, 8, 4), (8, 2, 64, 16), (6, 1, 20, 3), (12, 12, 64, 16),
                                                 (4, 2, 128, 1)])
 def test_native_matches_numpy(H, KVH, D, block_size):
@@ -69,6 +70,25 @@ def test_native_matches_numpy(H, KVH, D, block_size):
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
 
 
+@needs_native
+def test_out_of_range_lengths_and_table_entries_read_as_the_reference_does():
+    """Lengths past the table or negative, and table entries past the pool or negative (as jnp's
+    gather: counted from the end, then clamped), give the reference's values."""
+    rng = np.random.default_rng(11)
+    q, k, v, tables, lens = make_case(rng, 6, 4, 2, 16, 4, 3, 19, poison=False)
+    lens[0] = 100  # more than the table's 12 slots: all 12
+    lens[1] = -3  # nothing: zeros
+    tables[2, 1] = -1  # the last block of the pool
+    tables[3, 0] = 99  # past the pool: clamped to the last block
+    tables[4, 2] = -25  # before the pool's start once wrapped: clamped to block 0
+    args = [jnp.asarray(x) for x in (q, k, v, tables, lens)]
+    got = np.asarray(native.paged_decode(*args, 0.25))
+    want = np.asarray(paged_attention_reference(args[0][:, None], *args[1:], jnp.ones(6, jnp.int32), 0.25)[:, 0])
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    assert (got[1] == 0).all()
+
+
+@needs_native
 def test_padding_rows_and_empty_batch():
     rng = np.random.default_rng(3)
     q, k, v, tables, lens = make_case(rng, 6, 4, 2, 16, 4, 3, 19)
@@ -80,6 +100,7 @@ def test_padding_rows_and_empty_batch():
     assert empty.shape == (0, 4, 16)
 
 
+@needs_native
 def test_mismatched_shapes_are_refused_with_the_shapes():
     q = jnp.zeros((2, 6, 8), jnp.float32)
     k = jnp.zeros((5, 4, 4, 8), jnp.float32)  # 4 KV heads do not divide 6 query heads
@@ -92,6 +113,7 @@ def test_mismatched_shapes_are_refused_with_the_shapes():
         native.paged_decode(q[:, :4], k, k, tables, lens[:1], 1.0)
 
 
+@needs_native
 def test_decode_entry_point_uses_native_and_agrees_with_jnp_and_reference():
     rng = np.random.default_rng(5)
     q, k, v, tables, lens = make_case(rng, 16, 8, 2, 32, 16, 4, 65, poison=False)
@@ -110,6 +132,7 @@ def test_decode_entry_point_uses_native_and_agrees_with_jnp_and_reference():
     assert native.TARGET not in lowered
 
 
+@needs_native
 def test_engine_greedy_tokens_same_with_and_without_native(tiny_llama_dir, monkeypatch):
     from paged_jax import LLM, SamplingParams
 
@@ -123,7 +146,7 @@ def test_engine_greedy_tokens_same_with_and_without_native(tiny_llama_dir, monke
                                                              use_tqdm=False)]
 
     with_native = run()
-    monkeypatch.setattr(native, "supports", lambda q, k: False)
+    monkeypatch.setattr(native, "supports", lambda *operands: False)
     assert run() == with_native
 
 
@@ -147,3 +170,13 @@ def test_failed_build_falls_back_to_jnp(tmp_path, monkeypatch, caplog):
     finally:
         native._state.clear()
         native._state.update(saved)
+
+
+def test_kernel_builds_where_a_compiler_is_found():
+    """A machine with g++ must get the kernel: a broken build would otherwise only show as skips."""
+    import os
+    import shutil
+
+    if os.environ.get("PAGED_JAX_NATIVE") == "0" or os.environ.get("CXX") or not shutil.which("g++"):
+        pytest.skip("native kernel switched off, or no g++ here")
+    assert native.available(), native.status()

@@ -433,7 +433,7 @@ def test_two_level_argmax_is_numpys_argmax(V, chunk):
     x = rng.standard_normal((12, V)).astype(np.float32)
     x[1] = -np.inf  # all -inf: index 0
     x[2, [3, V - 1]] = 9.0  # a tie far apart: the first
-    x[3, V - 1] = x[3, max(V - chunk - 1, 0)] = 9.0  # the tail ties with the chunk it overlaps: the earlier one
+    x[3, V - 1] = x[3, max(V - chunk - 1, 0)] = 9.0  # a tie between the short last chunk and the chunk before it: the earlier one
     x[4, V - 2] = np.nan  # a NaN wins, as in np.argmax
     x[5, [1, V - 1]] = np.nan
     x[6] = 0.0  # all equal

@@ -31,7 +31,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     ``native``: None uses the native CPU kernel where it can run, False never, True always."""
     from paged_jax.attention import native as native_kernel
 
-    if native or (native is None and native_kernel.supports(q, k_cache)):
+    if native or (native is None and native_kernel.supports(q, k_cache, v_cache)):
         return native_kernel.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
     S = q.shape[0]
     L = block_tables.shape[1] * k_cache.shape[1]

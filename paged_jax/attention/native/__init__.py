@@ -22,6 +22,7 @@ import hashlib
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import tempfile
@@ -64,16 +65,19 @@ def _build(out: Path) -> None:
     import jax.ffi
 
     cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
-    if cxx is None:
+    if not cxx:
         raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
     out.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [cxx, *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
-        res = subprocess.run(cmd, capture_output=True, text=True)
+        cmd = [*shlex.split(cxx), *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o755 & ~umask)  # mkstemp made it private; others sharing the cache may load it
         os.replace(tmp, out)  # atomic: a concurrent build of the same key is harmless
     finally:
         if os.path.exists(tmp):
@@ -106,12 +110,12 @@ def status() -> dict:
     return dict(_state)
 
 
-def supports(q, k_cache) -> bool:
+def supports(q, k_cache, v_cache) -> bool:
     """Whether :func:`paged_decode` can run these operands here (float32, CPU, kernel built)."""
     import jax
     import jax.numpy as jnp
 
-    return (q.dtype == jnp.float32 and k_cache.dtype == jnp.float32 and jax.default_backend() == "cpu"
+    return (all(x.dtype == jnp.float32 for x in (q, k_cache, v_cache)) and jax.default_backend() == "cpu"
             and available())
 
 
@@ -121,7 +125,8 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float) 
     import jax
     import jax.numpy as jnp
 
-    if q.ndim != 3 or k_cache.ndim != 4 or v_cache.shape != k_cache.shape or block_tables.ndim != 2:
+    if q.ndim != 3 or k_cache.ndim != 4 or v_cache.shape != k_cache.shape or block_tables.ndim != 2 or \
+            0 in k_cache.shape[:2]:
         raise ValueError(f"paged_decode takes q [S, H, D], caches [blocks, block_size, kv_heads, D] and tables "
                          f"[S, max_blocks]; got q {q.shape}, k {k_cache.shape}, v {v_cache.shape}, "
                          f"tables {block_tables.shape}")

@@ -60,7 +60,10 @@ void AttendOne(const Problem& p, int64_t s, std::vector<float>& scratch) {
   std::fill(den, den + H, 0.f);
   const float* q = p.q + s * H * D;
   const int32_t* table = p.bt + s * p.MB;
-  auto block_at = [&](int64_t j) { return std::clamp<int64_t>(table[j], 0, p.NB - 1); };  // as jnp's clamped gather
+  auto block_at = [&](int64_t j) {  // as jnp's gather: a negative entry counts from the end, then clamped
+    int64_t b = table[j];
+    return std::clamp<int64_t>(b < 0 ? b + p.NB : b, 0, p.NB - 1);
+  };
   const int64_t nblocks = (L + BS - 1) / BS;
   for (int64_t j = 0; j < nblocks; ++j) {
     const int64_t b = block_at(j), n = std::min(BS, L - j * BS);
@@ -143,7 +146,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::
     return ffi::Error::InvalidArgument("paged_decode: expected q [S,H,D], caches [NB,BS,KVH,D], tables [S,MB]");
   Problem p{q.typed_data(), k.typed_data(), v.typed_data(), bt.typed_data(), lens.typed_data(),
             out->typed_data(), qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], bd[1], scale};
-  if (kd[3] != p.D || p.KVH <= 0 || p.H % p.KVH != 0 || bd[0] != p.S || lens.dimensions().size() != 1 ||
+  if (kd[3] != p.D || p.KVH <= 0 || p.NB <= 0 || p.BS <= 0 || p.H % p.KVH != 0 || bd[0] != p.S || lens.dimensions().size() != 1 ||
       lens.dimensions()[0] != p.S)
     return ffi::Error::InvalidArgument("paged_decode: head counts or sizes do not match");
   const int64_t pairs = p.S;
