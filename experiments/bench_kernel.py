@@ -12,8 +12,10 @@ measures its paged CUDA kernel 20-26 % slower than FasterTransformer's.
   contiguous decode kernel (``jax.experimental.pallas.ops.gpu.decode_attention.gqa``), and
   the jnp reference paged path against dense XLA attention.
 - On the CPU: the jnp reference paged path (a gather through the block table, then attention)
-  and, for float32, the native CPU decode kernel (``paged_jax/attention/native``: reads K/V
-  through the block table, no gather) against dense XLA attention over the contiguous cache.
+  against dense XLA attention over the contiguous cache; and, for float32, the native CPU
+  decode kernel (``paged_jax/attention/native``: reads K/V through the block table, no
+  gather) on blocks scattered over the pool against the same kernel on each sequence's
+  blocks laid out consecutively (a contiguous cache): what scattering the blocks costs.
   The Pallas kernels run only in interpret mode there, which says nothing about their speed.
 
     python experiments/bench_kernel.py [--batch 8 32] [--context 64 128 256] [--dtype float32]
@@ -64,8 +66,14 @@ def make_inputs(S, L, H, KVH, D, block_size, dtype, seed=0):
     v_pool[tables.reshape(-1)] = v.reshape(S * mb, block_size, KVH, D)
     dt = jnp.dtype(dtype)
     put = lambda x: jnp.asarray(x, dt)
+    # The same tokens with each sequence's blocks consecutive, in order: a contiguous cache
+    # addressed through a (trivial) block table.
+    seq_tables = (1 + np.arange(S * mb)).reshape(S, mb).astype(np.int32)
+    k_seq = np.concatenate([k_pool[:1], k.reshape(S * mb, block_size, KVH, D)])
+    v_seq = np.concatenate([v_pool[:1], v.reshape(S * mb, block_size, KVH, D)])
     return dict(q=put(q), k=put(k[:, :L]), v=put(v[:, :L]), k_pool=put(k_pool), v_pool=put(v_pool),
-                tables=jnp.asarray(tables), lens=jnp.full((S,), L, jnp.int32))
+                tables=jnp.asarray(tables), lens=jnp.full((S,), L, jnp.int32), k_seq=put(k_seq), v_seq=put(v_seq),
+                seq_tables=jnp.asarray(seq_tables))
 
 
 def variants(on_gpu: bool, scale: float, dtype: str):
@@ -97,9 +105,10 @@ def variants(on_gpu: bool, scale: float, dtype: str):
     from paged_jax.attention import native
 
     if dtype == "float32" and native.available():
-        v["paged native CPU kernel"] = (jax.jit(functools.partial(native.paged_decode, scale=scale)),
-                                        ("q", "k_pool", "v_pool", "tables", "lens"))
-        pairs.append(("paged native CPU kernel", "contiguous XLA dense"))
+        fn = jax.jit(functools.partial(native.paged_decode, scale=scale))
+        v["paged native CPU kernel"] = (fn, ("q", "k_pool", "v_pool", "tables", "lens"))
+        v["contiguous native CPU kernel"] = (fn, ("q", "k_seq", "v_seq", "seq_tables", "lens"))
+        pairs.append(("paged native CPU kernel", "contiguous native CPU kernel"))
     return v, pairs
 
 
