@@ -57,17 +57,22 @@ def make_case(rng, S, H, KVH, D, block_size, max_blocks, num_blocks, poison=True
 
 
 @needs_native
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("H,KVH,D,block_size", [(4, 4, 8, 4), (8, 2, 64, 16), (6, 1, 20, 3), (12, 12, 64, 16),
                                                 (4, 2, 128, 1)])
-def test_native_matches_numpy(H, KVH, D, block_size):
+def test_native_matches_numpy(H, KVH, D, block_size, dtype):
     rng = np.random.default_rng(H * 100 + D + block_size)
     S, max_blocks = 37, 7  # more sequences than the thread pool's chunks
     num_blocks = S * max_blocks + 1
     q, k, v, tables, lens = make_case(rng, S, H, KVH, D, block_size, max_blocks, num_blocks)
     scale = 1 / math.sqrt(D)
-    got = np.asarray(jax.jit(native.paged_decode, static_argnums=5)(q, k, v, tables, lens, scale))
-    want = numpy_decode(q, k, v, tables, lens, scale)
-    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
+    got = jax.jit(native.paged_decode, static_argnums=5)(q, k, v, tables, lens, scale)
+    assert got.dtype == jnp.dtype(dtype)
+    # The oracle reads the same (rounded) values, in float64.
+    want = numpy_decode(*(np.asarray(x.astype(jnp.float32)) for x in (q, k, v)), tables, lens, scale)
+    tol = 2e-5 if dtype == "float32" else 1e-2  # bfloat16 output: 8 bits of mantissa
+    np.testing.assert_allclose(np.asarray(got.astype(jnp.float32)), want, rtol=tol, atol=tol)
 
 
 @needs_native
@@ -119,17 +124,22 @@ def test_decode_entry_point_uses_native_and_agrees_with_jnp_and_reference():
     q, k, v, tables, lens = make_case(rng, 16, 8, 2, 32, 16, 4, 65, poison=False)
     args = tuple(jnp.asarray(x) for x in (q, k, v, tables, lens))
     fn = jax.jit(lambda *a: paged_decode_attention(*a, 0.2))
-    assert native.TARGET in fn.lower(*args).as_text()  # float32 on the CPU: the native kernel
+    assert native.TARGETS["float32"][0] in fn.lower(*args).as_text()  # float32 on the CPU: the native kernel
     jnp_path = jax.jit(lambda *a: paged_decode_attention(*a, 0.2, native=False))
-    assert native.TARGET not in jnp_path.lower(*args).as_text()
+    assert "paged_jax_paged_decode" not in jnp_path.lower(*args).as_text()
     ref = paged_attention_reference(args[0][:, None], *args[1:], jnp.ones(16, jnp.int32), 0.2)[:, 0]
     np.testing.assert_allclose(np.asarray(fn(*args)), np.asarray(ref), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(jnp_path(*args)), np.asarray(ref), rtol=1e-5, atol=1e-5)
-    # bfloat16 caches are not the native kernel's: the jnp path runs them.
-    bf = jax.jit(lambda q, k, v, t, l: paged_decode_attention(q, k, v, t, l, 0.2))
-    lowered = bf.lower(args[0].astype(jnp.bfloat16), args[1].astype(jnp.bfloat16), args[2].astype(jnp.bfloat16),
-                       *args[3:]).as_text()
-    assert native.TARGET not in lowered
+    # bfloat16 runs its own variant; float16, or mixed dtypes, run the jnp path.
+    def lowered(dq, dkv):
+        f = jax.jit(lambda q, k, v, t, l: paged_decode_attention(q, k, v, t, l, 0.2))
+        return f.lower(args[0].astype(dq), args[1].astype(dkv), args[2].astype(dkv), *args[3:]).as_text()
+
+    assert native.TARGETS["bfloat16"][0] in lowered(jnp.bfloat16, jnp.bfloat16)
+    assert "paged_jax_paged_decode" not in lowered(jnp.float16, jnp.float16)
+    assert "paged_jax_paged_decode" not in lowered(jnp.float32, jnp.bfloat16)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        native.paged_decode(args[0], args[1].astype(jnp.bfloat16), args[2], *args[3:], 0.2)
 
 
 @needs_native

@@ -9,7 +9,7 @@ longer in attention (``experiments/roofline.py``). Large batches run a few seque
 a time (``lax.map``), so that each group's gathered K and V (about 1,024 tokens) stay in
 the CPU's caches: 3x faster at 128 sequences of 128 or 512 tokens.
 
-On a CPU with float32 caches the native kernel (``paged_jax/attention/native``) runs
+On a CPU with float32 or bfloat16 caches the native kernel (``paged_jax/attention/native``) runs
 instead when it could be built: it reads K/V through the block table without gathering
 them, 3-6x faster again.
 """

@@ -9,7 +9,7 @@ the step both ways). It computes the same function as the jnp reference and is
 tested against it (``tests/test_native_decode.py``).
 
 The library is compiled with the system's C++ compiler the first time it is
-needed, into ``$PAGED_JAX_HOME/native`` (default ``~/.cache/paged_jax/native``),
+needed (float32 and bfloat16 variants), into ``$PAGED_JAX_HOME/native`` (default ``~/.cache/paged_jax/native``),
 keyed by the source, the compiler flags, jaxlib's version and this CPU. When no
 compiler is found or the build fails, :func:`available` is False, a warning says
 why, and decode attention runs in jnp. ``PAGED_JAX_NATIVE=0`` turns it off.
@@ -35,7 +35,9 @@ import numpy as np
 logger = logging.getLogger("paged_jax")
 
 SOURCE = Path(__file__).with_name("paged_decode.cc")
-TARGET = "paged_jax_paged_decode_f32"
+TARGETS = {"float32": ("paged_jax_paged_decode_f32", "PagedDecodeF32"),
+           "bfloat16": ("paged_jax_paged_decode_bf16", "PagedDecodeBF16")}
+TARGET = TARGETS["float32"][0]
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w"]
 
 _lock = threading.Lock()
@@ -97,7 +99,8 @@ def available() -> bool:
                 if not path.is_file():
                     _build(path)
                 lib = ctypes.cdll.LoadLibrary(str(path))
-                jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.PagedDecodeF32), platform="cpu")
+                for target, symbol in TARGETS.values():
+                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                 _state.update(ok=True, library=str(path))
             except Exception as e:  # no compiler, a failed build, an FFI this jaxlib lacks: run the jnp path
                 _state.update(ok=False, error=str(e))
@@ -111,17 +114,17 @@ def status() -> dict:
 
 
 def supports(q, k_cache, v_cache) -> bool:
-    """Whether :func:`paged_decode` can run these operands here (float32, CPU, kernel built)."""
+    """Whether :func:`paged_decode` can run these operands here (all float32 or all bfloat16,
+    CPU, kernel built)."""
     import jax
-    import jax.numpy as jnp
 
-    return (all(x.dtype == jnp.float32 for x in (q, k_cache, v_cache)) and jax.default_backend() == "cpu"
-            and available())
+    dtypes = {str(x.dtype) for x in (q, k_cache, v_cache)}
+    return len(dtypes) == 1 and dtypes <= set(TARGETS) and jax.default_backend() == "cpu" and available()
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> "jax.Array":
-    """Same contract as :func:`paged_jax.attention.decode.paged_decode_attention` (float32 only);
-    rows with ``context_lens == 0`` give zeros."""
+    """Same contract as :func:`paged_jax.attention.decode.paged_decode_attention` (float32 or
+    bfloat16, one dtype for all three; float32 arithmetic); rows with ``context_lens <= 0`` give zeros."""
     import jax
     import jax.numpy as jnp
 
@@ -136,7 +139,10 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float) 
         raise ValueError(f"paged_decode: {H} query heads of {D} need kv_heads dividing {H} and head_dim {D}, and "
                          f"{S} rows of tables and lengths; got k {k_cache.shape}, tables {block_tables.shape}, "
                          f"context_lens {context_lens.shape}")
-    return jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))(
+    if {str(x.dtype) for x in (q, k_cache, v_cache)} != {str(q.dtype)} or str(q.dtype) not in TARGETS:
+        raise ValueError(f"paged_decode takes {' or '.join(TARGETS)} for q and both caches alike; got "
+                         f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    return jax.ffi.ffi_call(TARGETS[str(q.dtype)][0], jax.ShapeDtypeStruct(q.shape, q.dtype))(
         q, k_cache, v_cache, block_tables.astype(jnp.int32), context_lens.astype(jnp.int32),
         scale=np.float32(scale))
 
