@@ -113,13 +113,18 @@ def status() -> dict:
     return dict(_state)
 
 
+def _dtype(q, k_cache, v_cache) -> Optional[str]:
+    """The one dtype of the three operands when the kernel has a variant for it, else None."""
+    dtypes = {str(x.dtype) for x in (q, k_cache, v_cache)}
+    return dtypes.pop() if len(dtypes) == 1 and dtypes <= set(TARGETS) else None
+
+
 def supports(q, k_cache, v_cache) -> bool:
     """Whether :func:`paged_decode` can run these operands here (all float32 or all bfloat16,
     CPU, kernel built)."""
     import jax
 
-    dtypes = {str(x.dtype) for x in (q, k_cache, v_cache)}
-    return len(dtypes) == 1 and dtypes <= set(TARGETS) and jax.default_backend() == "cpu" and available()
+    return _dtype(q, k_cache, v_cache) is not None and jax.default_backend() == "cpu" and available()
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> "jax.Array":
@@ -139,10 +144,11 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float) 
         raise ValueError(f"paged_decode: {H} query heads of {D} need kv_heads dividing {H} and head_dim {D}, and "
                          f"{S} rows of tables and lengths; got k {k_cache.shape}, tables {block_tables.shape}, "
                          f"context_lens {context_lens.shape}")
-    if {str(x.dtype) for x in (q, k_cache, v_cache)} != {str(q.dtype)} or str(q.dtype) not in TARGETS:
+    dtype = _dtype(q, k_cache, v_cache)
+    if dtype is None:
         raise ValueError(f"paged_decode takes {' or '.join(TARGETS)} for q and both caches alike; got "
                          f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
-    return jax.ffi.ffi_call(TARGETS[str(q.dtype)][0], jax.ShapeDtypeStruct(q.shape, q.dtype))(
+    return jax.ffi.ffi_call(TARGETS[dtype][0], jax.ShapeDtypeStruct(q.shape, q.dtype))(
         q, k_cache, v_cache, block_tables.astype(jnp.int32), context_lens.astype(jnp.int32),
         scale=np.float32(scale))
 
