@@ -425,7 +425,8 @@ def test_load_with_disconnects_frees_every_block(server):
     done = m['paged_jax_request_success_total{finished_reason="length"}'] - before.get(
         'paged_jax_request_success_total{finished_reason="length"}', 0)
     # The 16 streams that left are aborted; an impatient request is aborted unless it finished
-    # first (the tiny model writes 1,000 tokens in well under a second when the batch empties).
+    # first (the tiny model writes 1,000 tokens in well under a second when the batch empties;
+    # tests/test_async_engine.py checks the non-streaming abort deterministically).
     assert 16 <= aborted <= 20 and done >= 48 and aborted + done == 16 + 4 + 48
     # The 16 streams that left did not run to their 600 tokens.
     generated = m["paged_jax_generation_tokens_total"] - before["paged_jax_generation_tokens_total"]
