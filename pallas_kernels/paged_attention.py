@@ -64,6 +64,28 @@ def check_shapes(heads_dim, k_cache, v_cache, interpret: bool) -> None:
                          "of 2 for the Triton backend (interpret mode takes any)")
 
 
+def attend_chunk(carry, q, k_ref, v_ref, pages, k_pos, visible, length, scale, precision):
+    """One online-softmax step of both kernels over one chunk of pages.
+
+    carry (o [R, D] f32 unnormalised, m [R] running max, l [R] running sum); q [R, D];
+    pages [pages_per_chunk] i32 of k_ref/v_ref [num_blocks, block_size, D]; k_pos [chunk]
+    the keys' positions; visible: bool broadcastable to [R, chunk]. Returns the new carry.
+    """
+    o, m, l = carry
+    chunk, d = k_pos.shape[0], q.shape[1]
+    k = k_ref[pages].reshape(chunk, d)
+    v = v_ref[pages].reshape(chunk, d)
+    s = pl.dot(q, k, trans_b=True, precision=precision) * scale  # [R, chunk] f32
+    s = jnp.where(visible, s, _NEG)
+    v = jnp.where((k_pos < length)[:, None], v, 0)  # a stale Inf/NaN in an unused slot must not reach p @ v
+    m_new = jnp.maximum(m, s.max(axis=-1))
+    alpha = jnp.exp(m - m_new)
+    p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)  # rows that see nothing stay at 0
+    l_new = alpha * l + p.sum(axis=-1)
+    o_new = alpha[:, None] * o + pl.dot(p.astype(v.dtype), v, precision=precision)
+    return o_new, m_new, l_new
+
+
 def _decode_kernel(scale_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
                    block_size: int, pages_per_chunk: int, pages_per_partition: int, precision):
     """One (sequence, kv head, partition).
@@ -84,20 +106,9 @@ def _decode_kernel(scale_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref
     scale = scale_ref[0]
 
     def body(c, carry):
-        o, m, l = carry
         pages = bt_ref[pl.ds(c * pages_per_chunk, pages_per_chunk)]
-        k = k_ref[pages].reshape(chunk, d)
-        v = v_ref[pages].reshape(chunk, d)
-        s = pl.dot(q, k, trans_b=True, precision=precision) * scale  # [Gp, chunk] f32
         pos = (first_page + c * pages_per_chunk) * block_size + jnp.arange(chunk, dtype=jnp.int32)
-        s = jnp.where((pos < length)[None, :], s, _NEG)
-        v = jnp.where((pos < length)[:, None], v, 0)  # a stale Inf/NaN in an unused slot must not reach p @ v
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.exp(s - m_new[:, None])
-        l_new = alpha * l + p.sum(axis=-1)
-        o_new = alpha[:, None] * o + pl.dot(p.astype(v.dtype), v, precision=precision)
-        return o_new, m_new, l_new
+        return attend_chunk(carry, q, k_ref, v_ref, pages, pos, (pos < length)[None, :], length, scale, precision)
 
     init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), _NEG, jnp.float32), jnp.zeros((gp,), jnp.float32))
     o, m, l = lax.fori_loop(0, n_chunks, body, init)

@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
-from pallas_kernels.paged_attention import _MIN_DOT, _NEG, _next_pow2, check_shapes
+from pallas_kernels.paged_attention import _MIN_DOT, _NEG, _next_pow2, attend_chunk, check_shapes
 
 
 def _prefill_kernel(scale_ref, len_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *,
@@ -53,21 +53,10 @@ def _prefill_kernel(scale_ref, len_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref, o
     scale = scale_ref[0]
 
     def body(c, carry):
-        o, m, l = carry
         pages = bt_ref[pl.ds(c * pages_per_chunk, pages_per_chunk)]
-        k = k_ref[pages].reshape(chunk, d)
-        v = v_ref[pages].reshape(chunk, d)
-        s = pl.dot(q, k, trans_b=True, precision=precision) * scale  # [R, chunk] f32
         k_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
         visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < length)
-        s = jnp.where(visible, s, _NEG)
-        v = jnp.where((k_pos < length)[:, None], v, 0)  # a stale Inf/NaN in an unused slot must not reach p @ v
-        m_new = jnp.maximum(m, s.max(axis=-1))
-        alpha = jnp.exp(m - m_new)
-        p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)  # rows that see nothing stay at 0
-        l_new = alpha * l + p.sum(axis=-1)
-        o_new = alpha[:, None] * o + pl.dot(p.astype(v.dtype), v, precision=precision)
-        return o_new, m_new, l_new
+        return attend_chunk(carry, q, k_ref, v_ref, pages, k_pos, visible, length, scale, precision)
 
     init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
