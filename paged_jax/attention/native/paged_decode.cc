@@ -48,12 +48,21 @@ inline void FromFloat(float x, uint16_t* out) {  // round to nearest even, as XL
   *out = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-template <typename T>
+// kD > 0: the head dimension known when compiling (fully unrolled); 0: any, read from n.
+template <int kD, typename T>
 inline float Dot(const float* a, const T* b, int64_t n) {
+  const int64_t len = kD > 0 ? kD : n;
   float s = 0.f;
 #pragma omp simd reduction(+ : s)
-  for (int64_t i = 0; i < n; ++i) s += a[i] * ToFloat(b[i]);
+  for (int64_t i = 0; i < len; ++i) s += a[i] * ToFloat(b[i]);
   return s;
+}
+
+template <int kD, typename T>
+inline void Axpy(float w, const T* x, float* y, int64_t n) {
+  const int64_t len = kD > 0 ? kD : n;
+#pragma omp simd
+  for (int64_t i = 0; i < len; ++i) y[i] += w * ToFloat(x[i]);
 }
 
 inline void Prefetch(const char* p, int64_t bytes) {
@@ -63,7 +72,7 @@ inline void Prefetch(const char* p, int64_t bytes) {
 // One sequence: all its query heads over its context, block by block with an online
 // softmax. A token's K (and V) row holds every KV head ([KVH, D], contiguous), so each
 // block is read in order, once, K and V together.
-template <typename T>
+template <int kD, typename T>
 void AttendOne(const Problem<T>& p, int64_t s, std::vector<float>& scratch) {
   const int64_t H = p.H, KVH = p.KVH, G = H / KVH, D = p.D, BS = p.BS, row = KVH * D;
   scratch.resize(H * BS + 2 * H + 2 * H * D);
@@ -104,7 +113,8 @@ void AttendOne(const Problem<T>& p, int64_t s, std::vector<float>& scratch) {
     for (int64_t t = 0; t < n; ++t) {
       const T* key = kb + t * row;
       if (k_next) Prefetch(k_next + t * row * sizeof(T), row * sizeof(T));
-      for (int64_t h = 0; h < H; ++h) sc[h * BS + t] = Dot(q + h * D, key + (h / G) * D, D) * p.scale;
+      for (int64_t kh = 0, h = 0; kh < KVH; ++kh)
+        for (int64_t g = 0; g < G; ++g, ++h) sc[h * BS + t] = Dot<kD>(q + h * D, key + kh * D, D) * p.scale;
     }
     for (int64_t h = 0; h < H; ++h) {
       float* x = sc + h * BS;
@@ -127,13 +137,8 @@ void AttendOne(const Problem<T>& p, int64_t s, std::vector<float>& scratch) {
     for (int64_t t = 0; t < n; ++t) {
       const T* val = vb + t * row;
       if (v_next) Prefetch(v_next + t * row * sizeof(T), row * sizeof(T));
-      for (int64_t h = 0; h < H; ++h) {
-        const float w = sc[h * BS + t];
-        const T* vh = val + (h / G) * D;
-        float* o = out + h * D;
-#pragma omp simd
-        for (int64_t d = 0; d < D; ++d) o[d] += w * ToFloat(vh[d]);
-      }
+      for (int64_t kh = 0, h = 0; kh < KVH; ++kh)
+        for (int64_t g = 0; g < G; ++g, ++h) Axpy<kD>(sc[h * BS + t], val + kh * D, out + h * D, D);
     }
   }
   for (int64_t h = 0; h < H; ++h) {
@@ -156,7 +161,11 @@ void Work(Shared<T>& sh) {
   const int64_t rows = sh.p.S;
   for (int64_t c; (c = sh.next.fetch_add(1)) < sh.num_chunks;) {
     for (int64_t i = c * sh.per_chunk, e = std::min(rows, i + sh.per_chunk); i < e; ++i)
-      AttendOne(sh.p, i, scratch);
+      switch (sh.p.D) {  // the common head sizes get unrolled loops
+        case 64: AttendOne<64>(sh.p, i, scratch); break;
+        case 128: AttendOne<128>(sh.p, i, scratch); break;
+        default: AttendOne<0>(sh.p, i, scratch);
+      }
     sh.done.fetch_add(1, std::memory_order_release);
   }
 }
