@@ -13,7 +13,7 @@ measures its paged CUDA kernel 20-26 % slower than FasterTransformer's.
   the jnp reference paged path against dense XLA attention.
 - On the CPU: the jnp reference paged path (a gather through the block table, then attention)
   against dense XLA attention over the contiguous cache; and, for float32, the native CPU
-  decode kernel (``paged_jax/attention/native``: reads K/V through the block table, no
+  decode kernel (``paged_jax/native``: reads K/V through the block table, no
   gather) on blocks scattered over the pool against the same kernel on each sequence's
   blocks laid out consecutively (a contiguous cache): what scattering the blocks costs.
   The Pallas kernels run only in interpret mode there, which says nothing about their speed.
@@ -102,7 +102,7 @@ def variants(on_gpu: bool, scale: float, dtype: str):
         v["contiguous Pallas kernel"] = (jax.jit(pallas_contiguous), ("q", "k", "v", "lens"))
         return v, [("paged jnp reference", "contiguous XLA dense"), ("paged Pallas kernel", "contiguous Pallas kernel")]
     pairs = [("paged jnp reference", "contiguous XLA dense")]
-    from paged_jax.attention import native
+    from paged_jax import native
 
     if dtype == "float32" and native.available():
         fn = jax.jit(functools.partial(native.paged_decode, scale=scale))

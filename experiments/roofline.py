@@ -11,11 +11,12 @@
    FLOPs: 2 x multiply-adds of the projections, MLP and LM head per token, plus attention
    (QK^T and PV over the context). Bytes: every weight once per step, plus each sequence's
    K and V, plus the logits written.
-   Beside it, in the same run: the step with decode attention in jnp (``PAGED_JAX_NATIVE=0``,
-   the gather-then-contract path) instead of the native CPU kernel; and "matmuls alone", the
-   same weight matrices multiplied one after another in one jitted function (no attention,
-   norms or sampling) at the same batch: what XLA's CPU matmuls give when the weights stream
-   from memory as they do in a step, which the step cannot beat.
+   The step runs with the native CPU kernels (``paged_jax.native``: paged decode attention,
+   and the matmuls against panel-packed weights) where they are built. Beside it, in the same
+   run: "matmuls alone", the same linear layers multiplied one after another in one jitted
+   function (no attention, norms or sampling) at the same batch, which the step cannot beat;
+   and both again with XLA alone (``PAGED_JAX_NATIVE=0``: plain weights, XLA's CPU matmuls,
+   decode attention in jnp).
 3. Runs ``--profile-prompts`` requests through the engine (all at once, fixed lengths) and
    splits its step time into scheduler + block manager, batch preparation, device step,
    sampling, and the engine's processing (detokenization shown on its own).
@@ -76,12 +77,20 @@ def step_cost(cfg, num_params: int, batch: int, context: int) -> tuple[float, fl
 
 
 def matmuls_alone(params, hidden: int, batch: int):
-    """A jitted function running every weight matrix of the model (each layer's in the order
-    the layer uses them, then the LM head) once on ``batch`` rows, each matmul taking the
-    previous one's output (cut or tiled to its width): one chain, as in the model, so XLA
-    cannot run two of them at once."""
-    layers = [[p["w"] for p in lp.values() if isinstance(p, dict) and getattr(p.get("w"), "ndim", 0) == 2]
+    """A jitted function running every linear layer of the model (each layer's in the order the
+    layer uses them, then the LM head) once on ``batch`` rows, each taking the previous one's
+    output (cut or tiled to its width): one chain, as in the model, so no two run at once.
+    Through the model's own ``linear``, so packed params (``paged_jax.native.pack_params``)
+    take the native matmul and plain ones XLA's."""
+    from paged_jax.models.layers import linear
+
+    def in_width(p):
+        return p["w"].shape[0] if "w" in p else p["w_panels"].shape[1]
+
+    layers = [[p for p in lp.values() if isinstance(p, dict) and (getattr(p.get("w"), "ndim", 0) == 2
+                                                               or "w_panels" in p)]
               for lp in params["layers"]]
+    layers = [[{k: v for k, v in p.items() if k != "b"} for p in ps] for ps in layers]  # matmuls only
     head = params["lm_head"] if "lm_head" in params else params["embed"].T
 
     def fit(y, width):
@@ -89,9 +98,9 @@ def matmuls_alone(params, hidden: int, batch: int):
 
     def f(layers, head, h):
         y = h
-        for ws in layers:
-            for w in ws:
-                y = fit(y, w.shape[0]) @ w
+        for ps in layers:
+            for p in ps:
+                y = linear(fit(y, in_width(p)), p)
         return fit(y, hidden) @ head
 
     fn = jax.jit(f)
@@ -99,23 +108,24 @@ def matmuls_alone(params, hidden: int, batch: int):
     return lambda: fn(layers, head, x)
 
 
-def _time_without_native(runner, batch, repeats: int) -> float:
-    """The step traced with the native decode kernel switched off (it is chosen when tracing)."""
-    old = os.environ.get("PAGED_JAX_NATIVE")
-    os.environ["PAGED_JAX_NATIVE"] = "0"
-    try:
-        jax.block_until_ready(runner.run_batch(batch))
-    finally:
-        if old is None:
+class _NativeOff:
+    """``PAGED_JAX_NATIVE=0`` inside: runners built here keep plain weights, and steps traced
+    here use XLA's matmuls and jnp decode attention (both are chosen when building/tracing)."""
+
+    def __enter__(self):
+        self.old = os.environ.get("PAGED_JAX_NATIVE")
+        os.environ["PAGED_JAX_NATIVE"] = "0"
+
+    def __exit__(self, *exc):
+        if self.old is None:
             del os.environ["PAGED_JAX_NATIVE"]
         else:
-            os.environ["PAGED_JAX_NATIVE"] = old
-    return _best(lambda: runner.run_batch(batch), repeats)
+            os.environ["PAGED_JAX_NATIVE"] = self.old
 
 
 def decode_roofline(model: str, batches: list[int], context: int, block_size: int, repeats: int,
-                    compare_attention: bool = True) -> list[dict]:
-    from paged_jax.attention import native
+                    compare_xla: bool = True) -> list[dict]:
+    from paged_jax import native
     from paged_jax.executor.batch import SeqChunk, prepare_batch
     from paged_jax.executor.model_runner import ModelRunner
     from paged_jax.parallel import load_for_serving
@@ -124,10 +134,14 @@ def decode_roofline(model: str, batches: list[int], context: int, block_size: in
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
     per_seq = -(-context // block_size)
     runner = ModelRunner(cfg, params, block_size, max(batches) * per_seq + 1, 0)
-    jnp_runner = ModelRunner(cfg, params, block_size, max(batches) * per_seq + 1, 0) if compare_attention else None
+    xla_runner = None
+    if compare_xla:
+        with _NativeOff():
+            xla_runner = ModelRunner(cfg, params, block_size, max(batches) * per_seq + 1, 0)
     rate, bw = machine_limits()
+    on = native.available()
     print(f"machine: float32 matmul {rate / 1e9:.0f} GFLOP/s, memory read {bw / 1e9:.1f} GB/s; "
-          f"decode attention: {'native CPU kernel' if native.available() else 'jnp'}; "
+          f"native CPU kernels (decode attention, matmuls): {'on' if on else 'off: ' + str(native.status())}; "
           f"model {num_params / 1e6:.1f} M parameters ({cfg.family}, {cfg.dtype}); context {context} tokens")
     rows = []
     for b in batches:
@@ -136,20 +150,27 @@ def decode_roofline(model: str, batches: list[int], context: int, block_size: in
         t = _best(lambda: runner.run_batch(batch), repeats)
         flops, nbytes = step_cost(cfg, num_params, b, context)
         floor = max(flops / rate, nbytes / bw)
-        t_mm = _best(matmuls_alone(params, cfg.hidden_size, b), repeats)
-        t_jnp = _time_without_native(jnp_runner, batch, repeats) if jnp_runner else None
+        t_mm = _best(matmuls_alone(runner.params, cfg.hidden_size, b), repeats)
+        t_xla = t_xla_mm = None
+        if xla_runner is not None:
+            with _NativeOff():
+                jax.block_until_ready(xla_runner.run_batch(batch))  # traced without the native kernels
+                t_xla = _best(lambda: xla_runner.run_batch(batch), repeats)
+                t_xla_mm = _best(matmuls_alone(xla_runner.params, cfg.hidden_size, b), repeats)
         rows.append({"batch": b, "step_ms": 1e3 * t, "floor_ms": 1e3 * floor, "fraction": floor / t,
                      "matmuls_ms": 1e3 * t_mm, "matmuls_fraction": floor / t_mm,
-                     "jnp_attention_step_ms": t_jnp and 1e3 * t_jnp, "jnp_attention_fraction": t_jnp and floor / t_jnp,
+                     "xla_step_ms": t_xla and 1e3 * t_xla, "xla_fraction": t_xla and floor / t_xla,
+                     "xla_matmuls_ms": t_xla_mm and 1e3 * t_xla_mm, "xla_matmuls_fraction": t_xla_mm and floor / t_xla_mm,
                      "bound": "compute" if flops / rate > nbytes / bw else "memory",
                      "gflops": flops / t / 1e9, "gbytes_per_s": nbytes / t / 1e9, "tokens_per_s": b / t})
         r = rows[-1]
         print(f"batch {b:4d}: step {r['step_ms']:8.2f} ms, floor {r['floor_ms']:8.2f} ms ({r['bound']}-bound), "
               f"achieved {100 * r['fraction']:5.1f}% of the floor; {r['gflops']:6.1f} GFLOP/s, "
               f"{r['gbytes_per_s']:5.1f} GB/s, {r['tokens_per_s']:7.1f} tokens/s; matmuls alone {r['matmuls_ms']:7.2f} ms "
-              f"({100 * r['matmuls_fraction']:5.1f}% of the floor)"
-              + (f"; with jnp decode attention {r['jnp_attention_step_ms']:7.2f} ms "
-                 f"({100 * r['jnp_attention_fraction']:5.1f}%)" if t_jnp else ""), flush=True)
+              f"({100 * r['matmuls_fraction']:5.1f}%)"
+              + (f"; XLA only (no native kernels): step {r['xla_step_ms']:7.2f} ms ({100 * r['xla_fraction']:5.1f}%), "
+                 f"matmuls alone {r['xla_matmuls_ms']:7.2f} ms ({100 * r['xla_matmuls_fraction']:5.1f}%)"
+                 if t_xla else ""), flush=True)
     return rows
 
 
@@ -192,15 +213,15 @@ def main(argv=None):
     ap.add_argument("--profile-prompts", type=int, default=64, help="0: no engine profile")
     ap.add_argument("--profile-lens", type=lambda s: [int(x) for x in s.split(",")], default=[32, 96],
                     help="input,output tokens of the profiled requests")
-    ap.add_argument("--no-compare-attention", action="store_true",
-                    help="skip timing the step with jnp decode attention beside the native kernel")
+    ap.add_argument("--no-compare-xla", action="store_true",
+                    help="skip timing the step and the matmuls with XLA alone (no native kernels) beside")
     ap.add_argument("--output-json", default=None)
     a = ap.parse_args(argv)
     if a.context < 1 or min(a.batches) < 1:
         raise SystemExit(f"--context and --batches must be >= 1, got {a.context}, {a.batches}")
     model = a.model or gpt2_124m_model()
     out = {"roofline": decode_roofline(model, a.batches, a.context, a.block_size, a.repeats,
-                                       compare_attention=not a.no_compare_attention)}
+                                       compare_xla=not a.no_compare_xla)}
     if a.profile_prompts:
         out["profile"] = engine_profile(model, a.profile_prompts, *a.profile_lens, max_num_seqs=a.profile_prompts)
     if a.output_json:

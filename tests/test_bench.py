@@ -84,9 +84,13 @@ def test_matmuls_alone_chains_every_weight_of_each_family(family, tmp_path):
     from paged_jax.models.tiny import make_tiny_model
     from paged_jax.parallel import load_for_serving
 
+    from paged_jax import native
+
     cfg, params, _ = load_for_serving(str(make_tiny_model(tmp_path / family, family=family, seed=0)), "float32", 1)
     out = roofline.matmuls_alone(params, cfg.hidden_size, 3)()
     assert out.shape == (3, cfg.vocab_size)
+    packed = roofline.matmuls_alone(native.pack_params(params), cfg.hidden_size, 3)()  # the native matmuls
+    np.testing.assert_allclose(np.asarray(packed), np.asarray(out), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow
@@ -102,4 +106,4 @@ def test_compare_and_roofline(gpt2_dir, capsys):
     out = roofline.main(["--model", gpt2_dir, "--batches", "1,2", "--context", "8", "--repeats", "1",
                          "--profile-prompts", "2", "--profile-lens", "4,4"])
     assert all(0 < r["fraction"] for r in out["roofline"]) and out["profile"]["parts_s"]["device step"] > 0
-    assert all(r["matmuls_ms"] > 0 and r["jnp_attention_step_ms"] > 0 for r in out["roofline"])
+    assert all(r["matmuls_ms"] > 0 and r["xla_step_ms"] > 0 and r["xla_matmuls_ms"] > 0 for r in out["roofline"])

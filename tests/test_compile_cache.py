@@ -25,7 +25,7 @@ def listen(event, **kw):
 monitoring.register_event_listener(listen)
 
 from paged_jax import LLM, SamplingParams
-from paged_jax.attention import native
+from paged_jax import native
 
 llm = LLM(sys.argv[1], seed=0)
 outs = llm.generate(prompt_token_ids=[[5, 6, 7], [9, 10, 11, 12, 13, 14]],
@@ -48,6 +48,6 @@ def test_second_start_loads_programs_from_the_cache(tiny_llama_dir, tmp_path):
     assert first["misses"] > 0 and first["hits"] == 0
     assert second["hits"] >= first["misses"] and second["misses"] == 0
     assert second["tokens"] == first["tokens"]
-    from paged_jax.attention import native
+    from paged_jax import native
 
     assert first["native"] == second["native"] == native.available()  # the programs held the native kernel

@@ -1,4 +1,4 @@
-"""The native CPU decode kernel (paged_jax/attention/native) against a numpy oracle, and its fallback."""
+"""The native CPU decode kernel (paged_jax/native) against a numpy oracle, and its fallback."""
 
 from __future__ import annotations
 
@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.attention import native, paged_attention_reference, paged_decode_attention
+from paged_jax import native
+from paged_jax.attention import paged_attention_reference, paged_decode_attention
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernel not built: {native.status()}")
 
@@ -157,7 +158,9 @@ def test_engine_greedy_tokens_same_with_and_without_native(tiny_llama_dir, monke
 
     with_native = run()
     monkeypatch.setattr(native, "supports", lambda *operands: False)
-    assert run() == with_native
+    assert run() == with_native  # native matmuls, jnp decode attention
+    monkeypatch.setattr(native, "available", lambda: False)
+    assert run() == with_native  # XLA only: unpacked weights, XLA matmuls
 
 
 def test_failed_build_falls_back_to_jnp(tmp_path, monkeypatch, caplog):
@@ -168,7 +171,7 @@ def test_failed_build_falls_back_to_jnp(tmp_path, monkeypatch, caplog):
         monkeypatch.setenv("CXX", "false")  # a compiler that always fails
         with caplog.at_level(logging.WARNING, logger="paged_jax"):
             assert not native.available()
-        assert "native CPU decode attention unavailable" in caplog.text and "failed" in native.status()["error"]
+        assert "native CPU kernels unavailable" in caplog.text and "failed" in native.status()["error"]
         q = jnp.ones((2, 4, 8), jnp.float32)
         k = jnp.ones((5, 4, 2, 8), jnp.float32)
         out = paged_decode_attention(q, k, k, jnp.asarray([[1, 2], [3, 4]], jnp.int32), jnp.asarray([5, 8], jnp.int32),

@@ -459,7 +459,7 @@ def test_bench_kernel_runs_small_on_cpu(capsys):
     rows = [line.split() for line in capsys.readouterr().out.splitlines() if not line.startswith(("#", "batch"))]
     assert [r[:2] for r in rows] == [["2", "16"], ["2", "40"]]
     assert all(float(x) > 0 for r in rows for x in r[2:])
-    from paged_jax.attention import native
+    from paged_jax import native
 
     if native.available():  # the native kernel on scattered and on consecutive blocks, and their ratio
         assert all(len(r) == 2 + 4 + 2 for r in rows)

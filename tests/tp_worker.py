@@ -59,9 +59,12 @@ def run_job(job: dict) -> dict:
     runner, stats = engine.runner, engine.get_stats()
     layer = runner.params["layers"][0]
     shards = {"kv_cache": shard_shapes(runner.kv_caches[0][0]), "embed": shard_shapes(runner.params["embed"])}
-    for name, leaf in (("q", "w"), ("k", "w"), ("o", "w"), ("up", "w"), ("down", "w"), ("fc1", "w"), ("fc2", "w")):
-        if name in layer:
-            shards[f"{name}.{leaf}"] = shard_shapes(layer[name][leaf])
+    for name in ("q", "k", "o", "up", "down", "fc1", "fc2"):
+        if name in layer and "w" in layer[name]:
+            shards[f"{name}.w"] = shard_shapes(layer[name]["w"])
+        elif name in layer:  # one device on a CPU: packed for the native matmul; its [K, N] shape
+            P, K, W = layer[name]["w_panels"].shape
+            shards[f"{name}.w"] = [[K, P * W]]
     return {"tokens": [o.outputs[0].token_ids for o in outs],
             "samples": [[c.token_ids for c in o.outputs] for o in outs],
             "cum_logprobs": [o.outputs[0].cumulative_logprob for o in outs],

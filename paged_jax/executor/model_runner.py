@@ -103,6 +103,11 @@ class ModelRunner:
                  attention_backend: str = "reference", seed: int = 0, mesh=None):
         """``mesh``: tensor parallelism (``paged_jax.parallel``): params already sharded on it,
         the KV cache split over KV heads, the attention backend run per device in shard_map."""
+        if mesh is None and jax.default_backend() == "cpu":
+            from paged_jax import native
+
+            if native.available():  # float32 linear weights in column panels for the native matmul
+                params = native.pack_params(params)
         self.config, self.params, self.block_size = config, params, block_size
         self.attn = get_backend(attention_backend)
         self.seed = seed

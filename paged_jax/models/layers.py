@@ -8,8 +8,14 @@ import numpy as np
 
 
 def linear(x, p):
-    """x @ w (+ b). Weights are stored [in, out]."""
-    y = x @ p["w"]
+    """x @ w (+ b). Weights are stored [in, out] as ``w``, or packed in column panels as
+    ``w_panels`` (``paged_jax.native.pack_params``, on a CPU) for the native matmul."""
+    if "w_panels" in p:
+        from paged_jax import native
+
+        y = native.linear(x, p["w_panels"])
+    else:
+        y = x @ p["w"]
     if "b" in p:
         y = y + p["b"]
     return y

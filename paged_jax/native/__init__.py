@@ -1,12 +1,21 @@
-"""A native CPU decode-attention kernel, built on first use and called through the XLA FFI.
+"""Native CPU kernels, built on first use and called through the XLA FFI: paged decode
+attention (``paged_decode.cc``) and the model's matmuls against panel-packed weights
+(``linear.cc``).
 
-XLA's CPU backend can only express paged decode attention by gathering every
+Decode attention. XLA's CPU backend can only express paged decode attention by gathering every
 sequence's K and V into a temporary and running many tiny batched matmuls: at
 batch 32 that took about half of a GPT-2-124M decode step. ``paged_decode.cc``
 reads K/V straight from the paged cache through the block table, one sequence
 per task, on XLA's own thread pool (``python experiments/roofline.py`` measures
 the step both ways). It computes the same function as the jnp reference and is
 tested against it (``tests/test_native_decode.py``).
+
+Matmuls. At decode batch sizes XLA's CPU matmuls leave the cores waiting on weights that
+stream from memory. :func:`pack_params` stores each linear layer's ``[K, N]`` weight as
+``w_panels`` ``[N / W, K, W]`` (W = 48, 32 or 16 columns, each panel contiguous), and
+``paged_jax.models.layers.linear`` then multiplies through :func:`linear`, which prefetches
+the panels ahead of use (``tests/test_native_linear.py``; ``experiments/roofline.py`` times
+the step with and without). The runner packs on a CPU, float32, one device.
 
 The library is compiled with the system's C++ compiler the first time it is
 needed (float32 and bfloat16 variants), into ``$PAGED_JAX_HOME/native`` (default ``~/.cache/paged_jax/native``),
@@ -34,10 +43,12 @@ import numpy as np
 
 logger = logging.getLogger("paged_jax")
 
-SOURCE = Path(__file__).with_name("paged_decode.cc")
+SOURCES = [Path(__file__).with_name("paged_decode.cc"), Path(__file__).with_name("linear.cc")]
 TARGETS = {"float32": ("paged_jax_paged_decode_f32", "PagedDecodeF32"),
            "bfloat16": ("paged_jax_paged_decode_bf16", "PagedDecodeBF16")}
 TARGET = TARGETS["float32"][0]
+LINEAR_TARGET = ("paged_jax_linear_f32", "LinearF32")
+PANEL_WIDTHS = (48, 32, 16)
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w"]
 
 _lock = threading.Lock()
@@ -57,10 +68,10 @@ def _library_path() -> Path:
     import jaxlib
 
     h = hashlib.sha256()
-    for part in (SOURCE.read_bytes(), " ".join(FLAGS).encode(), jaxlib.__version__.encode(), _cpu_key().encode()):
+    for part in (*(src.read_bytes() for src in SOURCES), " ".join(FLAGS).encode(), jaxlib.__version__.encode(), _cpu_key().encode()):
         h.update(part)
     root = Path(os.environ.get("PAGED_JAX_HOME", Path.home() / ".cache" / "paged_jax"))
-    return root / "native" / f"paged_decode-{h.hexdigest()[:16]}.so"
+    return root / "native" / f"paged_jax_native-{h.hexdigest()[:16]}.so"
 
 
 def _build(out: Path) -> None:
@@ -73,7 +84,7 @@ def _build(out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [*shlex.split(cxx), *FLAGS, f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", tmp]
+        cmd = [*shlex.split(cxx), *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
@@ -87,7 +98,7 @@ def _build(out: Path) -> None:
 
 
 def available() -> bool:
-    """Build (once per machine) and register the kernel; False, with a warning, if that fails."""
+    """Build (once per machine) and register the kernels; False, with a warning, if that fails."""
     if os.environ.get("PAGED_JAX_NATIVE", "1") == "0":
         return False
     with _lock:
@@ -99,12 +110,13 @@ def available() -> bool:
                 if not path.is_file():
                     _build(path)
                 lib = ctypes.cdll.LoadLibrary(str(path))
-                for target, symbol in TARGETS.values():
+                for target, symbol in (*TARGETS.values(), LINEAR_TARGET):
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                 _state.update(ok=True, library=str(path))
             except Exception as e:  # no compiler, a failed build, an FFI this jaxlib lacks: run the jnp path
                 _state.update(ok=False, error=str(e))
-                logger.warning("native CPU decode attention unavailable, using jnp: %s", e)
+                logger.warning("native CPU kernels unavailable, using XLA's (jnp decode attention, XLA "
+                               "matmuls): %s", e)
         return _state["ok"]
 
 
@@ -153,4 +165,66 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float) 
         scale=np.float32(scale))
 
 
-__all__ = ["available", "status", "supports", "paged_decode"]
+def panel_width(n: int) -> Optional[int]:
+    """The widest panel (48, 32 or 16 columns) that divides ``n`` output columns; None if none does."""
+    return next((w for w in PANEL_WIDTHS if n % w == 0), None)
+
+
+def pack_weight(w) -> "jax.Array":
+    """``[K, N]`` -> ``[N / W, K, W]``: W-column panels, each contiguous (W from :func:`panel_width`)."""
+    import jax.numpy as jnp
+
+    if w.ndim != 2 or panel_width(w.shape[1]) is None:
+        raise ValueError(f"pack_weight takes a [K, N] matrix with N a multiple of 16; got shape {w.shape}")
+    K, N = w.shape
+    W = panel_width(N)
+    return jnp.asarray(w).reshape(K, N // W, W).transpose(1, 0, 2)
+
+
+def unpack_weight(w_panels) -> "jax.Array":
+    """The inverse of :func:`pack_weight`: ``[P, K, W]`` -> ``[K, P * W]``."""
+    P, K, W = w_panels.shape
+    return w_panels.transpose(1, 0, 2).reshape(K, P * W)
+
+
+def linear(x, w_panels) -> "jax.Array":
+    """``x @ unpack_weight(w_panels)`` for ``x [..., K]``: the native kernel for float32 on a CPU
+    where it is built, else XLA's matmul on the unpacked weight."""
+    import jax
+    import jax.numpy as jnp
+
+    if w_panels.ndim != 3 or w_panels.shape[2] not in PANEL_WIDTHS or x.shape[-1] != w_panels.shape[1]:
+        raise ValueError(f"linear takes x [..., K] and panels [P, K, W] with W in {PANEL_WIDTHS}; got x {x.shape}, "
+                         f"panels {w_panels.shape}")
+    P, K, W = w_panels.shape
+    if x.dtype != jnp.float32 or w_panels.dtype != jnp.float32 or jax.default_backend() != "cpu" or not available():
+        return x @ unpack_weight(w_panels).astype(x.dtype)
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, K)
+    y = jax.ffi.ffi_call(LINEAR_TARGET[0], jax.ShapeDtypeStruct((x2.shape[0], P * W), jnp.float32))(x2, w_panels)
+    return y.reshape(*lead, P * W)
+
+
+def pack_params(params):
+    """A copy of a model's params with every linear layer's float32 ``{"w": [K, N]}`` (N a
+    multiple of 16) stored as ``{"w_panels": pack_weight(w)}``; everything else as it was.
+    Embeddings and LM heads (plain arrays, not linear layers) are left alone."""
+    import jax.numpy as jnp
+
+    def walk(node):
+        if isinstance(node, dict):
+            w = node.get("w")
+            if getattr(w, "ndim", 0) == 2 and w.dtype == jnp.float32 and panel_width(w.shape[1]):
+                out = {k: v for k, v in node.items() if k != "w"}
+                out["w_panels"] = pack_weight(w)
+                return out
+            return {k: walk(v) for k, v in node.items()}
+        if isinstance(node, (list, tuple)):
+            return type(node)(walk(v) for v in node)
+        return node
+
+    return walk(params)
+
+
+__all__ = ["available", "status", "supports", "paged_decode", "panel_width", "pack_weight", "unpack_weight",
+           "linear", "pack_params"]

@@ -1,0 +1,115 @@
+"""The native CPU matmul against panel-packed weights (paged_jax/native/linear.cc): a numpy
+oracle, the packing, dispatch, and the runner's use of it."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paged_jax import native
+from paged_jax.models.layers import linear
+
+needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels not built: {native.status()}")
+
+
+def _case(rng, M, K, N):
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = rng.standard_normal((K, N)).astype(np.float32)
+    return x, w, x.astype(np.float64) @ w.astype(np.float64)
+
+
+@needs_native
+@pytest.mark.parametrize("M", [1, 2, 7, 8, 9, 17, 64, 1030])  # register-tile tails, and past one 1024-row pass
+@pytest.mark.parametrize("K,N", [(1, 16), (5, 32), (40, 48), (64, 96), (33, 80), (768, 2304), (24, 4096)])
+def test_linear_matches_numpy(M, K, N):
+    rng = np.random.default_rng(M * 1000 + K + N)
+    x, w, ref = _case(rng, M, K, N)
+    wp = native.pack_weight(jnp.asarray(w))
+    assert wp.shape == (N // native.panel_width(N), K, native.panel_width(N))
+    got = np.asarray(jax.jit(native.linear)(jnp.asarray(x), wp))
+    assert got.shape == (M, N)
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.sqrt(K))
+
+
+@needs_native
+def test_linear_keeps_leading_dims_and_empty_rows():
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((3, 5, 24)).astype(np.float32)
+    w = rng.standard_normal((24, 32)).astype(np.float32)
+    got = np.asarray(native.linear(jnp.asarray(x), native.pack_weight(w)))
+    np.testing.assert_allclose(got, x @ w, rtol=1e-5, atol=1e-5)
+    assert native.linear(jnp.zeros((0, 24), jnp.float32), native.pack_weight(w)).shape == (0, 32)
+
+
+def test_pack_unpack_roundtrip_and_panel_widths():
+    w = np.arange(7 * 80, dtype=np.float32).reshape(7, 80)
+    wp = native.pack_weight(w)
+    assert native.panel_width(80) == 16 and wp.shape == (5, 7, 16)
+    np.testing.assert_array_equal(np.asarray(wp[2]), w[:, 32:48])  # panel p holds columns p*W .. p*W+W-1
+    np.testing.assert_array_equal(np.asarray(native.unpack_weight(wp)), w)
+    assert [native.panel_width(n) for n in (48, 96, 64, 4096, 11008, 50257, 8)] == [48, 48, 32, 32, 32, None, None]
+
+
+def test_bad_shapes_are_refused():
+    with pytest.raises(ValueError, match="multiple of 16"):
+        native.pack_weight(np.ones((4, 50), np.float32))
+    with pytest.raises(ValueError, match="x \\[..., K\\]"):
+        native.linear(jnp.ones((2, 5), jnp.float32), native.pack_weight(np.ones((4, 16), np.float32)))
+    with pytest.raises(ValueError, match="panels"):
+        native.linear(jnp.ones((2, 4), jnp.float32), jnp.ones((4, 16), jnp.float32))
+
+
+@needs_native
+def test_dispatch_float32_native_else_xla():
+    w = native.pack_weight(np.ones((16, 32), np.float32))
+    f32 = jax.jit(native.linear).lower(jnp.ones((4, 16), jnp.float32), w).as_text()
+    assert native.LINEAR_TARGET[0] in f32
+    bf16 = jax.jit(native.linear).lower(jnp.ones((4, 16), jnp.bfloat16), w).as_text()
+    assert native.LINEAR_TARGET[0] not in bf16 and "dot" in bf16
+    # the model's linear: packed -> the kernel (bias added after), plain -> XLA's dot
+    x = np.random.default_rng(2).standard_normal((3, 16)).astype(np.float32)
+    wf = np.random.default_rng(3).standard_normal((16, 32)).astype(np.float32)
+    b = np.arange(32, dtype=np.float32)
+    np.testing.assert_allclose(np.asarray(linear(x, {"w_panels": native.pack_weight(wf), "b": b})),
+                               np.asarray(linear(x, {"w": wf, "b": b})), rtol=1e-5, atol=1e-5)
+
+
+def test_pack_params_packs_only_float32_linear_layers():
+    rng = np.random.default_rng(4)
+    params = {"embed": jnp.asarray(rng.standard_normal((50, 32)), jnp.float32),
+              "lm_head": jnp.ones((32, 50), jnp.float32),
+              "final_ln": {"w": jnp.ones(32), "b": jnp.zeros(32)},
+              "layers": [{"qkv": {"w": jnp.ones((32, 96), jnp.float32), "b": jnp.zeros(96)},
+                          "odd": {"w": jnp.ones((32, 50), jnp.float32)},
+                          "half": {"w": jnp.ones((32, 64), jnp.bfloat16)}}]}
+    packed = native.pack_params(params)
+    layer = packed["layers"][0]
+    assert set(layer["qkv"]) == {"w_panels", "b"} and layer["qkv"]["w_panels"].shape == (2, 32, 48)
+    assert "w" in layer["odd"] and "w" in layer["half"]  # N = 50: no panel width; bfloat16: left to XLA
+    assert packed["embed"] is params["embed"] and packed["lm_head"] is params["lm_head"]
+    assert packed["final_ln"]["w"] is params["final_ln"]["w"]
+    assert "w" in params["layers"][0]["qkv"]  # the input is not changed
+
+
+@needs_native
+def test_runner_packs_on_cpu_and_step_matches_xla(tiny_llama_dir, monkeypatch):
+    """The runner's step with packed weights gives the logits of the same step with XLA's
+    matmuls (native switched off), on prompts and decode rows."""
+    from paged_jax.executor.batch import SeqChunk, prepare_batch
+    from paged_jax.executor.model_runner import ModelRunner
+    from paged_jax.parallel import load_for_serving
+
+    cfg, params, _ = load_for_serving(str(tiny_llama_dir), "float32", 1)
+    chunks = [SeqChunk([5, 9, 11, 3], 0, [1, 2]), SeqChunk([7], 6, [3, 4])]
+    batch = prepare_batch(chunks, 4)
+
+    def logits(runner):
+        return np.asarray(runner.run_batch(batch, all_logits=True))
+
+    packed = ModelRunner(cfg, params, 4, 8, 0)
+    assert any("w_panels" in p for p in packed.params["layers"][0].values() if isinstance(p, dict))
+    got = logits(packed)
+    monkeypatch.setenv("PAGED_JAX_NATIVE", "0")
+    plain = ModelRunner(cfg, params, 4, 8, 0)
+    assert all("w_panels" not in p for p in plain.params["layers"][0].values() if isinstance(p, dict))
+    np.testing.assert_allclose(got, logits(plain), rtol=1e-4, atol=1e-4)
