@@ -4,7 +4,8 @@
     python experiments/roofline.py --batches 1,8,32 --context 64 --profile-prompts 32
 
 1. Measures, in this run, the machine's float32 matmul rate (jitted square matmuls) and its
-   memory read bandwidth (a jitted sum over a large array), both with JAX.
+   memory read bandwidth (the faster of a jitted sum over a large array and the native
+   kernels' prefetching reader).
 2. Times the engine's jitted decode step (``ModelRunner.run_batch``: every sequence one new
    token, ``--context`` tokens of KV each) for each batch size, and reports the floor
    ``max(FLOPs / rate, bytes / bandwidth)`` and the fraction of it achieved (floor / measured).
@@ -51,7 +52,11 @@ def _best(fn, repeats: int) -> float:
 
 def machine_limits(repeats: int = 15) -> tuple[float, float]:
     """(float32 matmul FLOP/s, memory read bytes/s), the best of ``repeats``; the rate is the
-    better of a 1024- and a 2048-square matmul (the smaller often runs closer to the peak)."""
+    better of a 1024- and a 2048-square matmul (the smaller often runs closer to the peak); the
+    bandwidth the better of a jitted ``jnp.sum`` and, where built, the native kernels' reader
+    (``paged_jax.native.read_sum``) over 256 MiB."""
+    from paged_jax import native
+
     mm = jax.jit(lambda x, y: x @ y)
     rate = 0.0
     for n in (1024, 2048):
@@ -59,8 +64,8 @@ def machine_limits(repeats: int = 15) -> tuple[float, float]:
         b = jnp.ones((n, n), jnp.float32)
         rate = max(rate, 2 * n ** 3 / _best(lambda: mm(a, b), repeats))
     big = jnp.ones((256 << 20) // 4, jnp.float32)  # 256 MiB, far beyond the caches
-    red = jax.jit(jnp.sum)
-    bw = big.nbytes / _best(lambda: red(big), repeats)
+    readers = [jax.jit(jnp.sum)] + ([jax.jit(native.read_sum)] if native.available() else [])
+    bw = max(big.nbytes / _best(lambda: red(big), repeats) for red in readers)
     return rate, bw
 
 

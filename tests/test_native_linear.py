@@ -113,3 +113,14 @@ def test_runner_packs_on_cpu_and_step_matches_xla(tiny_llama_dir, monkeypatch):
     plain = ModelRunner(cfg, params, 4, 8, 0)
     assert all("w_panels" not in p for p in plain.params["layers"][0].values() if isinstance(p, dict))
     np.testing.assert_allclose(got, logits(plain), rtol=1e-4, atol=1e-4)
+
+
+@needs_native
+def test_read_sum_matches_numpy():
+    x = np.random.default_rng(5).standard_normal(100_003).astype(np.float32)  # not a multiple of 16
+    np.testing.assert_allclose(float(jax.jit(native.read_sum)(jnp.asarray(x))), x.astype(np.float64).sum(),
+                               rtol=1e-5, atol=1e-3)
+    assert float(native.read_sum(jnp.ones((3, 5), jnp.float32))) == 15.0
+    assert float(native.read_sum(jnp.zeros((0,), jnp.float32))) == 0.0
+    with pytest.raises(ValueError, match="float32"):
+        native.read_sum(jnp.ones(4, jnp.bfloat16))

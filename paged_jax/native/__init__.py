@@ -48,6 +48,7 @@ TARGETS = {"float32": ("paged_jax_paged_decode_f32", "PagedDecodeF32"),
            "bfloat16": ("paged_jax_paged_decode_bf16", "PagedDecodeBF16")}
 TARGET = TARGETS["float32"][0]
 LINEAR_TARGET = ("paged_jax_linear_f32", "LinearF32")
+SUM_TARGET = ("paged_jax_sum_f32", "SumF32")
 PANEL_WIDTHS = (48, 32, 16)
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w"]
 
@@ -110,7 +111,7 @@ def available() -> bool:
                 if not path.is_file():
                     _build(path)
                 lib = ctypes.cdll.LoadLibrary(str(path))
-                for target, symbol in (*TARGETS.values(), LINEAR_TARGET):
+                for target, symbol in (*TARGETS.values(), LINEAR_TARGET, SUM_TARGET):
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                 _state.update(ok=True, library=str(path))
             except Exception as e:  # no compiler, a failed build, an FFI this jaxlib lacks: run the jnp path
@@ -205,6 +206,17 @@ def linear(x, w_panels) -> "jax.Array":
     return y.reshape(*lead, P * W)
 
 
+def read_sum(x) -> "jax.Array":
+    """The float32 sum of ``x`` (any shape), read as the native matmul reads its weights
+    (prefetched, shared over XLA's threads): the bandwidth probe of ``experiments/roofline.py``."""
+    import jax
+    import jax.numpy as jnp
+
+    if x.dtype != jnp.float32:
+        raise ValueError(f"read_sum takes float32, got {x.dtype}")
+    return jax.ffi.ffi_call(SUM_TARGET[0], jax.ShapeDtypeStruct((), jnp.float32))(x)
+
+
 def pack_params(params):
     """A copy of a model's params with every linear layer's float32 ``{"w": [K, N]}`` (N a
     multiple of 16) stored as ``{"w_panels": pack_weight(w)}``; everything else as it was.
@@ -227,4 +239,4 @@ def pack_params(params):
 
 
 __all__ = ["available", "status", "supports", "paged_decode", "panel_width", "pack_weight", "unpack_weight",
-           "linear", "pack_params"]
+           "linear", "pack_params", "read_sum"]

@@ -146,7 +146,55 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
   return ffi::Error::Success();
 }
 
+// The sum of a float32 array, read with the same prefetching and thread sharing as the
+// matmul's weights: experiments/roofline.py measures the machine's read bandwidth with it
+// (beside a jitted jnp.sum), so the floor is not set by a slower reader than the kernels.
+struct SumShared {
+  const float* x;
+  int64_t n, num_chunks, per_chunk;
+  std::unique_ptr<double[]> partial;
+  std::atomic<int64_t> next{0}, done{0};
+};
+
+void SumWork(SumShared& s) {
+  for (int64_t c; (c = s.next.fetch_add(1)) < s.num_chunks;) {
+    const int64_t a = c * s.per_chunk, b = std::min(s.n, a + s.per_chunk);
+    float acc[16] = {};
+    int64_t i = a;
+    for (; i + 16 <= b; i += 16) {
+      __builtin_prefetch(s.x + i + kPrefetch, 0, 3);
+#pragma omp simd
+      for (int j = 0; j < 16; ++j) acc[j] += s.x[i + j];
+    }
+    double total = 0;
+    for (; i < b; ++i) total += s.x[i];
+    for (float v : acc) total += v;
+    s.partial[c] = total;
+    s.done.fetch_add(1, std::memory_order_release);
+  }
+}
+
+ffi::Error SumImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> out) {
+  auto sh = std::make_shared<SumShared>();
+  sh->x = x.typed_data();
+  sh->n = static_cast<int64_t>(x.element_count());
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  sh->num_chunks = std::max<int64_t>(1, std::min<int64_t>(sh->n / 4096, 4 * (workers + 1)));
+  sh->per_chunk = (sh->n + sh->num_chunks - 1) / sh->num_chunks;
+  sh->partial.reset(new double[sh->num_chunks]());
+  for (int64_t i = 0; i < std::min(workers, sh->num_chunks - 1); ++i) pool.Schedule([sh] { SumWork(*sh); });
+  SumWork(*sh);
+  while (sh->done.load(std::memory_order_acquire) < sh->num_chunks) std::this_thread::yield();
+  double total = 0;
+  for (int64_t c = 0; c < sh->num_chunks; ++c) total += sh->partial[c];
+  *out->typed_data() = static_cast<float>(total);
+  return ffi::Error::Success();
+}
+
 }  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SumF32, SumImpl,
+                              ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearF32, Impl,
                               ffi::Ffi::Bind()
