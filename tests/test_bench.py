@@ -90,7 +90,7 @@ def test_matmuls_alone_chains_every_weight_of_each_family(family, tmp_path):
     out = roofline.matmuls_alone(params, cfg.hidden_size, 3)()
     assert out.shape == (3, cfg.vocab_size)
     packed = roofline.matmuls_alone(native.pack_params(params), cfg.hidden_size, 3)()  # the native matmuls
-    np.testing.assert_allclose(np.asarray(packed), np.asarray(out), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(np.asarray(packed)[:, :cfg.vocab_size], np.asarray(out), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.slow

@@ -86,7 +86,11 @@ def test_pack_params_packs_only_float32_linear_layers():
     layer = packed["layers"][0]
     assert set(layer["qkv"]) == {"w_panels", "b"} and layer["qkv"]["w_panels"].shape == (2, 32, 48)
     assert "w" in layer["odd"] and "w" in layer["half"]  # N = 50: no panel width; bfloat16: left to XLA
-    assert packed["embed"] is params["embed"] and packed["lm_head"] is params["lm_head"]
+    assert packed["embed"] is params["embed"] and "lm_head" not in packed  # untied: embed stays for lookups
+    head = np.asarray(packed["lm_head_panels"])
+    assert head.shape == (2, 32, 48)  # the vocabulary of 50 padded to 96 with zero columns
+    np.testing.assert_array_equal(np.asarray(native.unpack_weight(head))[:, :50], np.asarray(params["lm_head"]))
+    assert not head[1, :, 2:].any()
     assert packed["final_ln"]["w"] is params["final_ln"]["w"]
     assert "w" in params["layers"][0]["qkv"]  # the input is not changed
 
@@ -124,3 +128,20 @@ def test_read_sum_matches_numpy():
     assert float(native.read_sum(jnp.zeros((0,), jnp.float32))) == 0.0
     with pytest.raises(ValueError, match="float32"):
         native.read_sum(jnp.ones(4, jnp.bfloat16))
+
+
+def test_tied_embedding_packed_once_serves_lookup_and_logits():
+    from paged_jax.models import compute_logits
+    from paged_jax.models.layers import embed_rows
+
+    rng = np.random.default_rng(6)
+    embed = jnp.asarray(rng.standard_normal((53, 16)), jnp.float32)  # V = 53: padded to 96
+    packed = native.pack_params({"embed": embed})
+    assert set(packed) == {"embed_panels"} and packed["embed_panels"].shape == (2, 16, 48)
+    ids = jnp.asarray([0, 47, 48, 52, 5])
+    np.testing.assert_array_equal(np.asarray(embed_rows(packed, ids)), np.asarray(embed)[np.asarray(ids)])
+    cfg = type("C", (), {"vocab_size": 53})()
+    h = jnp.asarray(rng.standard_normal((3, 16)), jnp.float32)
+    got = np.asarray(compute_logits(packed, cfg, h))
+    assert got.shape == (3, 53)
+    np.testing.assert_allclose(got, np.asarray(compute_logits({"embed": embed}, cfg, h)), rtol=1e-5, atol=1e-5)

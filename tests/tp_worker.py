@@ -58,7 +58,11 @@ def run_job(job: dict) -> dict:
     engine = llm.llm_engine
     runner, stats = engine.runner, engine.get_stats()
     layer = runner.params["layers"][0]
-    shards = {"kv_cache": shard_shapes(runner.kv_caches[0][0]), "embed": shard_shapes(runner.params["embed"])}
+    shards = {"kv_cache": shard_shapes(runner.kv_caches[0][0])}
+    if "embed" in runner.params:
+        shards["embed"] = shard_shapes(runner.params["embed"])
+    else:  # one device on a CPU, tied head packed for the native matmul: its [V, D] shape
+        shards["embed"] = [[engine.model_config.vocab_size, runner.params["embed_panels"].shape[1]]]
     for name in ("q", "k", "o", "up", "down", "fc1", "fc2"):
         if name in layer and "w" in layer[name]:
             shards[f"{name}.w"] = shard_shapes(layer[name]["w"])

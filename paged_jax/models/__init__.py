@@ -30,7 +30,12 @@ def compute_logits(params, config: ModelConfig, hidden):
     """Float32 logits; tied models reuse the input embedding."""
     import jax.numpy as jnp
 
-    if "lm_head" in params:
+    panels = params.get("lm_head_panels", params.get("embed_panels"))
+    if panels is not None:  # packed for the native matmul (paged_jax.native.pack_params), vocabulary padded
+        from paged_jax import native
+
+        logits = native.linear(hidden, panels)[..., :config.vocab_size]
+    elif "lm_head" in params:
         logits = hidden @ params["lm_head"]
     else:
         logits = hidden @ params["embed"].T

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from paged_jax.attention import paged_attention_layer
-from paged_jax.models.layers import ACTIVATIONS, layer_norm, linear, split_heads
+from paged_jax.models.layers import ACTIVATIONS, embed_rows, layer_norm, linear, split_heads
 
 
 def hf_tensor_shapes(c) -> dict[str, tuple]:
@@ -46,7 +46,7 @@ def params_from_hf(c, get, lin) -> dict:
 
 
 def embed(params, c, input_ids, positions):
-    return params["embed"][input_ids] + params["pos"][positions]
+    return embed_rows(params, input_ids) + params["pos"][positions]
 
 
 def layer(lp, c, h, positions, kv, meta, attn):

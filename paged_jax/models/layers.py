@@ -21,6 +21,17 @@ def linear(x, p):
     return y
 
 
+def embed_rows(params, ids):
+    """Rows ``ids`` of the input embedding: ``embed`` [V, D], or (a tied model packed for the
+    native matmul, ``paged_jax.native.pack_params``) ``embed_panels`` [P, D, W], row v in
+    panel v // W, column v % W."""
+    if "embed" in params:
+        return params["embed"][ids]
+    panels = params["embed_panels"]
+    W = panels.shape[2]
+    return panels[ids // W, :, ids % W]
+
+
 def rms_norm(x, w, eps):
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)

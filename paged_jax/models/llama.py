@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from paged_jax.attention import paged_attention_layer
-from paged_jax.models.layers import apply_rope, linear, rms_norm, split_heads
+from paged_jax.models.layers import apply_rope, embed_rows, linear, rms_norm, split_heads
 import jax
 
 
@@ -50,7 +50,7 @@ def params_from_hf(c, get, lin) -> dict:
 
 
 def embed(params, c, input_ids, positions):
-    return params["embed"][input_ids]
+    return embed_rows(params, input_ids)
 
 
 def layer(lp, c, h, positions, kv, meta, attn):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from paged_jax.attention import paged_attention_layer
-from paged_jax.models.layers import ACTIVATIONS, layer_norm, linear, split_heads
+from paged_jax.models.layers import ACTIVATIONS, embed_rows, layer_norm, linear, split_heads
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
 
@@ -61,7 +61,7 @@ def params_from_hf(c, get, lin) -> dict:
 
 
 def embed(params, c, input_ids, positions):
-    h = params["embed"][input_ids]
+    h = embed_rows(params, input_ids)
     if c.word_embed_proj_dim:
         h = linear(h, params["project_in"])
     return h + params["pos"][positions + POSITION_OFFSET]

@@ -217,11 +217,30 @@ def read_sum(x) -> "jax.Array":
     return jax.ffi.ffi_call(SUM_TARGET[0], jax.ShapeDtypeStruct((), jnp.float32))(x)
 
 
+def pack_head(head) -> "jax.Array":
+    """An LM head ``[D, V]`` as 48-column panels, the vocabulary padded with zero columns to a
+    multiple of 48 (logits past V are sliced off by ``compute_logits``)."""
+    import jax.numpy as jnp
+
+    D, V = head.shape
+    return pack_weight(jnp.pad(jnp.asarray(head), ((0, 0), (0, -V % PANEL_WIDTHS[0]))))
+
+
 def pack_params(params):
     """A copy of a model's params with every linear layer's float32 ``{"w": [K, N]}`` (N a
-    multiple of 16) stored as ``{"w_panels": pack_weight(w)}``; everything else as it was.
-    Embeddings and LM heads (plain arrays, not linear layers) are left alone."""
+    multiple of 16) stored as ``{"w_panels": pack_weight(w)}``, and a float32 LM head packed
+    by :func:`pack_head`: an untied ``lm_head`` [D, V] becomes ``lm_head_panels``; a tied
+    model's ``embed`` [V, D] becomes ``embed_panels`` (its transpose packed, which the
+    embedding lookup reads too: ``paged_jax.models.layers.embed_rows``, no second copy).
+    Everything else stays as it was."""
     import jax.numpy as jnp
+
+    params = dict(params)
+    if "lm_head" in params:
+        if params["lm_head"].dtype == jnp.float32:
+            params["lm_head_panels"] = pack_head(params.pop("lm_head"))
+    elif "embed" in params and params["embed"].dtype == jnp.float32:
+        params["embed_panels"] = pack_head(params.pop("embed").T)
 
     def walk(node):
         if isinstance(node, dict):
