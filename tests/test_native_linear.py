@@ -145,3 +145,34 @@ def test_tied_embedding_packed_once_serves_lookup_and_logits():
     got = np.asarray(compute_logits(packed, cfg, h))
     assert got.shape == (3, 53)
     np.testing.assert_allclose(got, np.asarray(compute_logits({"embed": embed}, cfg, h)), rtol=1e-5, atol=1e-5)
+
+
+PORTABLE_CHECK = r"""
+import json, numpy as np, jax, jax.numpy as jnp
+from paged_jax import native
+assert native.available(), native.status()
+rng = np.random.default_rng(0)
+errs = []
+for M, K, N in [(1, 16, 16), (9, 40, 96), (33, 70, 32)]:
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    w = rng.standard_normal((K, N)).astype(np.float32)
+    got = np.asarray(native.linear(jnp.asarray(x), native.pack_weight(w)))
+    errs.append(float(np.abs(got - x.astype(np.float64) @ w).max()))
+print(json.dumps({"errs": errs, "library": native.status()["library"]}))
+"""
+
+
+@needs_native
+def test_portable_loops_without_avx512(tmp_path):
+    """The matmul's loops for CPUs without AVX-512 (built here with -mno-avx512f, in its own
+    process and cache) give the same products."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = dict(os.environ, PAGED_JAX_HOME=str(tmp_path), PAGED_JAX_NATIVE_FLAGS="-mno-avx512f", JAX_PLATFORMS="cpu")
+    res = subprocess.run([sys.executable, "-c", PORTABLE_CHECK], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["library"].startswith(str(tmp_path)) and max(out["errs"]) < 1e-3, out

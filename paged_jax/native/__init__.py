@@ -18,10 +18,12 @@ the panels ahead of use (``tests/test_native_linear.py``; ``experiments/roofline
 the step with and without). The runner packs on a CPU, float32, one device.
 
 The library is compiled with the system's C++ compiler the first time it is
-needed (float32 and bfloat16 variants), into ``$PAGED_JAX_HOME/native`` (default ``~/.cache/paged_jax/native``),
-keyed by the source, the compiler flags, jaxlib's version and this CPU. When no
-compiler is found or the build fails, :func:`available` is False, a warning says
-why, and decode attention runs in jnp. ``PAGED_JAX_NATIVE=0`` turns it off.
+needed, into ``$PAGED_JAX_HOME/native`` (default ``~/.cache/paged_jax/native``),
+keyed by the sources, the compiler flags, jaxlib's version and this CPU; extra flags
+come from ``PAGED_JAX_NATIVE_FLAGS``. The matmul uses AVX-512 where the CPU has it
+and portable loops elsewhere. When no compiler is found or the build fails,
+:func:`available` is False, a warning says why, and everything runs in XLA (plain
+weights, jnp decode attention). ``PAGED_JAX_NATIVE=0`` turns the kernels off.
 """
 
 from __future__ import annotations
@@ -52,6 +54,11 @@ SUM_TARGET = ("paged_jax_sum_f32", "SumF32")
 PANEL_WIDTHS = (48, 32, 16)
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w"]
 
+
+def _flags() -> list[str]:
+    """FLAGS, then any from ``PAGED_JAX_NATIVE_FLAGS`` (e.g. ``-mno-avx512f`` for the portable loops)."""
+    return [*FLAGS, *shlex.split(os.environ.get("PAGED_JAX_NATIVE_FLAGS", ""))]
+
 _lock = threading.Lock()
 _state: dict = {}  # "ok": bool, "error": str, "library": path
 
@@ -69,7 +76,7 @@ def _library_path() -> Path:
     import jaxlib
 
     h = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in SOURCES), " ".join(FLAGS).encode(), jaxlib.__version__.encode(), _cpu_key().encode()):
+    for part in (*(src.read_bytes() for src in SOURCES), " ".join(_flags()).encode(), jaxlib.__version__.encode(), _cpu_key().encode()):
         h.update(part)
     root = Path(os.environ.get("PAGED_JAX_HOME", Path.home() / ".cache" / "paged_jax"))
     return root / "native" / f"paged_jax_native-{h.hexdigest()[:16]}.so"
@@ -85,7 +92,7 @@ def _build(out: Path) -> None:
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [*shlex.split(cxx), *FLAGS, f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
+        cmd = [*shlex.split(cxx), *_flags(), f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
         res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         if res.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
