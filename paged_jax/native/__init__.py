@@ -46,6 +46,7 @@ import numpy as np
 logger = logging.getLogger("paged_jax")
 
 SOURCES = [Path(__file__).with_name("paged_decode.cc"), Path(__file__).with_name("linear.cc")]
+HEADERS = [Path(__file__).with_name("parallel.h")]
 TARGETS = {"float32": ("paged_jax_paged_decode_f32", "PagedDecodeF32"),
            "bfloat16": ("paged_jax_paged_decode_bf16", "PagedDecodeBF16")}
 TARGET = TARGETS["float32"][0]
@@ -76,7 +77,7 @@ def _library_path() -> Path:
     import jaxlib
 
     h = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in SOURCES), " ".join(_flags()).encode(), jaxlib.__version__.encode(), _cpu_key().encode()):
+    for part in (*(src.read_bytes() for src in (*SOURCES, *HEADERS)), " ".join(_flags()).encode(), jaxlib.__version__.encode(), _cpu_key().encode()):
         h.update(part)
     root = Path(os.environ.get("PAGED_JAX_HOME", Path.home() / ".cache" / "paged_jax"))
     return root / "native" / f"paged_jax_native-{h.hexdigest()[:16]}.so"

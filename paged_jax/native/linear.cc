@@ -10,15 +10,14 @@
 // into the next panel (the panels lie one after another): the hardware prefetchers alone keep
 // too few lines in flight while both cores stream weights (at 32 rows this is what makes the
 // difference against XLA's CPU matmuls, see experiments/roofline.py). Panels are shared out
-// over XLA's intra-op thread pool in contiguous chunks. Sums run over k in order, in float32
+// over XLA's intra-op thread pool in contiguous ranges (parallel.h). Sums run over k in order, in float32
 // with fused multiply-adds.
 
 #include <algorithm>
-#include <atomic>
 #include <cstdint>
-#include <memory>
-#include <thread>
+#include <mutex>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 #if defined(__AVX512F__)
@@ -93,35 +92,6 @@ void Panel(const float* x, int64_t m0, int64_t m1, int64_t K, const float* panel
   }
 }
 
-struct Shared {
-  const float* x;
-  const float* w;
-  float* y;
-  int64_t M, K, P, W;
-  int64_t num_chunks, per_chunk;
-  std::atomic<int64_t> next{0}, done{0};
-};
-
-void Work(Shared& s) {
-  const int64_t N = s.P * s.W;
-  for (int64_t c; (c = s.next.fetch_add(1)) < s.num_chunks;) {
-    const int64_t p0 = c * s.per_chunk, p1 = std::min(s.P, p0 + s.per_chunk);
-    for (int64_t m0 = 0; m0 < s.M; m0 += kRowChunk) {
-      const int64_t m1 = std::min(s.M, m0 + kRowChunk);
-      for (int64_t p = p0; p < p1; ++p) {
-        const float* panel = s.w + p * s.K * s.W;
-        float* y = s.y + p * s.W;
-        switch (s.W) {
-          case 48: Panel<48>(s.x, m0, m1, s.K, panel, y, N); break;
-          case 32: Panel<32>(s.x, m0, m1, s.K, panel, y, N); break;
-          default: Panel<16>(s.x, m0, m1, s.K, panel, y, N); break;
-        }
-      }
-    }
-    s.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                 ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
@@ -130,63 +100,51 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
   const int64_t M = xd[0], K = xd[1], P = wd[0], W = wd[2];
   if (wd[1] != K || (W != 16 && W != 32 && W != 48) || yd[0] != M || yd[1] != P * W)
     return ffi::Error::InvalidArgument("linear: sizes do not match, or a panel width other than 16, 32, 48");
-  if (M == 0 || P == 0) return ffi::Error::Success();
-  auto sh = std::make_shared<Shared>();
-  sh->x = x.typed_data();
-  sh->w = w.typed_data();
-  sh->y = y->typed_data();
-  sh->M = M, sh->K = K, sh->P = P, sh->W = W;
-  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
-  sh->num_chunks = std::min<int64_t>(P, 2 * (workers + 1));
-  sh->per_chunk = (P + sh->num_chunks - 1) / sh->num_chunks;
-  sh->num_chunks = (P + sh->per_chunk - 1) / sh->per_chunk;
-  for (int64_t i = 0; i < std::min(workers, sh->num_chunks - 1); ++i) pool.Schedule([sh] { Work(*sh); });
-  Work(*sh);  // the calling thread takes chunks too, so nothing waits on a task that never started
-  while (sh->done.load(std::memory_order_acquire) < sh->num_chunks) std::this_thread::yield();
+  if (M == 0) return ffi::Error::Success();
+  const float* xs = x.typed_data();
+  const float* ws = w.typed_data();
+  float* ys = y->typed_data();
+  const int64_t N = P * W;
+  paged_jax_native::ParallelRanges(pool, P, 2, [=](int64_t p0, int64_t p1) {
+    for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
+      const int64_t m1 = std::min(M, m0 + kRowChunk);
+      for (int64_t p = p0; p < p1; ++p) {
+        const float* panel = ws + p * K * W;
+        float* out = ys + p * W;
+        switch (W) {
+          case 48: Panel<48>(xs, m0, m1, K, panel, out, N); break;
+          case 32: Panel<32>(xs, m0, m1, K, panel, out, N); break;
+          default: Panel<16>(xs, m0, m1, K, panel, out, N); break;
+        }
+      }
+    }
+  });
   return ffi::Error::Success();
 }
 
 // The sum of a float32 array, read with the same prefetching and thread sharing as the
 // matmul's weights: experiments/roofline.py measures the machine's read bandwidth with it
 // (beside a jitted jnp.sum), so the floor is not set by a slower reader than the kernels.
-struct SumShared {
-  const float* x;
-  int64_t n, num_chunks, per_chunk;
-  std::unique_ptr<double[]> partial;
-  std::atomic<int64_t> next{0}, done{0};
-};
-
-void SumWork(SumShared& s) {
-  for (int64_t c; (c = s.next.fetch_add(1)) < s.num_chunks;) {
-    const int64_t a = c * s.per_chunk, b = std::min(s.n, a + s.per_chunk);
-    float acc[16] = {};
-    int64_t i = a;
-    for (; i + 16 <= b; i += 16) {
-      __builtin_prefetch(s.x + i + kPrefetch, 0, 3);
-#pragma omp simd
-      for (int j = 0; j < 16; ++j) acc[j] += s.x[i + j];
-    }
-    double total = 0;
-    for (; i < b; ++i) total += s.x[i];
-    for (float v : acc) total += v;
-    s.partial[c] = total;
-    s.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 ffi::Error SumImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuffer<ffi::F32> out) {
-  auto sh = std::make_shared<SumShared>();
-  sh->x = x.typed_data();
-  sh->n = static_cast<int64_t>(x.element_count());
-  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
-  sh->num_chunks = std::max<int64_t>(1, std::min<int64_t>(sh->n / 4096, 4 * (workers + 1)));
-  sh->per_chunk = (sh->n + sh->num_chunks - 1) / sh->num_chunks;
-  sh->partial.reset(new double[sh->num_chunks]());
-  for (int64_t i = 0; i < std::min(workers, sh->num_chunks - 1); ++i) pool.Schedule([sh] { SumWork(*sh); });
-  SumWork(*sh);
-  while (sh->done.load(std::memory_order_acquire) < sh->num_chunks) std::this_thread::yield();
+  const float* xs = x.typed_data();
+  const int64_t n = static_cast<int64_t>(x.element_count());
+  std::mutex mu;
   double total = 0;
-  for (int64_t c = 0; c < sh->num_chunks; ++c) total += sh->partial[c];
+  paged_jax_native::ParallelRanges(pool, (n + 4095) / 4096, 4, [&](int64_t a, int64_t b) {  // 4096-float pieces
+    float acc[16] = {};
+    const int64_t end = std::min(n, b * 4096);
+    int64_t i = a * 4096;
+    for (; i + 16 <= end; i += 16) {
+      __builtin_prefetch(xs + i + kPrefetch, 0, 3);
+#pragma omp simd
+      for (int j = 0; j < 16; ++j) acc[j] += xs[i + j];
+    }
+    double part = 0;
+    for (; i < end; ++i) part += xs[i];
+    for (float v : acc) part += v;
+    std::lock_guard<std::mutex> lock(mu);
+    total += part;
+  });
   *out->typed_data() = static_cast<float>(total);
   return ffi::Error::Success();
 }

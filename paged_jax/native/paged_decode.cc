@@ -9,13 +9,11 @@
 // bfloat16 (read as float32; the output rounded to bfloat16 to nearest even, as astype).
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
-#include <memory>
-#include <thread>
 #include <vector>
 
+#include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -148,28 +146,6 @@ void AttendOne(const Problem<T>& p, int64_t s, std::vector<float>& scratch) {
   }
 }
 
-template <typename T>
-struct Shared {
-  Problem<T> p;
-  int64_t num_chunks, per_chunk;
-  std::atomic<int64_t> next{0}, done{0};
-};
-
-template <typename T>
-void Work(Shared<T>& sh) {
-  thread_local std::vector<float> scratch;
-  const int64_t rows = sh.p.S;
-  for (int64_t c; (c = sh.next.fetch_add(1)) < sh.num_chunks;) {
-    for (int64_t i = c * sh.per_chunk, e = std::min(rows, i + sh.per_chunk); i < e; ++i)
-      switch (sh.p.D) {  // the common head sizes get unrolled loops
-        case 64: AttendOne<64>(sh.p, i, scratch); break;
-        case 128: AttendOne<128>(sh.p, i, scratch); break;
-        default: AttendOne<0>(sh.p, i, scratch);
-      }
-    sh.done.fetch_add(1, std::memory_order_release);
-  }
-}
-
 template <ffi::DataType DT>
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k, ffi::Buffer<DT> v,
                 ffi::Buffer<ffi::S32> bt, ffi::Buffer<ffi::S32> lens, float scale, ffi::ResultBuffer<DT> out) {
@@ -183,16 +159,15 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k, ffi:
   if (kd[3] != p.D || p.KVH <= 0 || p.NB <= 0 || p.BS <= 0 || p.H % p.KVH != 0 || bd[0] != p.S ||
       lens.dimensions().size() != 1 || lens.dimensions()[0] != p.S)
     return ffi::Error::InvalidArgument("paged_decode: head counts or sizes do not match");
-  if (p.S == 0) return ffi::Error::Success();
-  int64_t workers = std::max<int64_t>(1, pool.num_threads());
-  auto sh = std::make_shared<Shared<T>>();
-  sh->p = p;
-  sh->num_chunks = std::min<int64_t>(p.S, 4 * (workers + 1));
-  sh->per_chunk = (p.S + sh->num_chunks - 1) / sh->num_chunks;
-  sh->num_chunks = (p.S + sh->per_chunk - 1) / sh->per_chunk;
-  for (int64_t w = 0; w < std::min(workers, sh->num_chunks - 1); ++w) pool.Schedule([sh] { Work(*sh); });
-  Work(*sh);  // the calling thread takes chunks too, so nothing waits on a task that never started
-  while (sh->done.load(std::memory_order_acquire) < sh->num_chunks) std::this_thread::yield();
+  paged_jax_native::ParallelRanges(pool, p.S, 4, [&p](int64_t s0, int64_t s1) {
+    thread_local std::vector<float> scratch;
+    for (int64_t s = s0; s < s1; ++s)
+      switch (p.D) {  // the common head sizes get unrolled loops
+        case 64: AttendOne<64>(p, s, scratch); break;
+        case 128: AttendOne<128>(p, s, scratch); break;
+        default: AttendOne<0>(p, s, scratch);
+      }
+  });
   return ffi::Error::Success();
 }
 

@@ -1,0 +1,46 @@
+// Work sharing on XLA's intra-op thread pool, for the native CPU kernels.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <thread>
+#include <utility>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace paged_jax_native {
+
+// Cuts [0, n) into contiguous ranges, about chunks_per_thread for each pool thread and the
+// caller, and runs fn(begin, end) on each. Threads take ranges from a shared counter; the
+// calling thread takes them too, so nothing waits on a task that never started, and a task
+// that starts after the last range is taken returns at once. Returns when every range is done.
+inline void ParallelRanges(xla::ffi::ThreadPool& pool, int64_t n, int64_t chunks_per_thread,
+                           std::function<void(int64_t, int64_t)> fn) {
+  if (n <= 0) return;
+  struct State {
+    std::function<void(int64_t, int64_t)> fn;
+    int64_t n, per, chunks;
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  const int64_t workers = std::max<int64_t>(1, pool.num_threads());
+  auto st = std::make_shared<State>();
+  st->fn = std::move(fn);
+  st->n = n;
+  const int64_t want = std::min<int64_t>(n, std::max<int64_t>(1, chunks_per_thread) * (workers + 1));
+  st->per = (n + want - 1) / want;
+  st->chunks = (n + st->per - 1) / st->per;
+  auto work = [](State& s) {
+    for (int64_t c; (c = s.next.fetch_add(1)) < s.chunks;) {
+      s.fn(c * s.per, std::min(s.n, (c + 1) * s.per));
+      s.done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t i = 0; i < std::min(workers, st->chunks - 1); ++i) pool.Schedule([st, work] { work(*st); });
+  work(*st);
+  while (st->done.load(std::memory_order_acquire) < st->chunks) std::this_thread::yield();
+}
+
+}  // namespace paged_jax_native
