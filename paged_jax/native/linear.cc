@@ -30,7 +30,11 @@ namespace {
 
 constexpr int64_t kRows = 8;          // rows of x per register tile
 constexpr int64_t kRowChunk = 1024;   // rows of x per pass over the weights
-constexpr int64_t kPrefetch = 3072;   // floats ahead in the panel stream
+// Tunable when building: PAGED_JAX_NATIVE_FLAGS=-DPAGED_JAX_PREFETCH=... (1536 to 12288 measured alike here).
+#ifndef PAGED_JAX_PREFETCH
+#define PAGED_JAX_PREFETCH 3072
+#endif
+constexpr int64_t kPrefetch = PAGED_JAX_PREFETCH;  // floats ahead in the panel stream
 
 inline void PrefetchRow(const float* p, int64_t w) {
   for (int64_t off = 0; off < w; off += 16) __builtin_prefetch(p + off, 0, 3);
