@@ -95,7 +95,7 @@ def test_pack_params_packs_only_float32_linear_layers():
     assert "w" in params["layers"][0]["qkv"]  # the input is not changed
 
 
-@needs_native
+@pytest.mark.skipif(not native.packs_weights(), reason="no AVX-512 matmul here: runners keep plain weights")
 def test_runner_packs_on_cpu_and_step_matches_xla(tiny_llama_dir, monkeypatch):
     """The runner's step with packed weights gives the logits of the same step with XLA's
     matmuls (native switched off), on prompts and decode rows."""
@@ -138,8 +138,8 @@ def test_tied_embedding_packed_once_serves_lookup_and_logits():
     embed = jnp.asarray(rng.standard_normal((53, 16)), jnp.float32)  # V = 53: padded to 96
     packed = native.pack_params({"embed": embed})
     assert set(packed) == {"embed_panels"} and packed["embed_panels"].shape == (2, 16, 48)
-    ids = jnp.asarray([0, 47, 48, 52, 5])
-    np.testing.assert_array_equal(np.asarray(embed_rows(packed, ids)), np.asarray(embed)[np.asarray(ids)])
+    ids = jnp.asarray([0, 47, 48, 52, 5, -1, -53, 53, 95, 400, -400])  # and outside [0, V): as embed[ids]
+    np.testing.assert_array_equal(np.asarray(embed_rows(packed, ids, 53)), np.asarray(embed[ids]))
     cfg = type("C", (), {"vocab_size": 53})()
     h = jnp.asarray(rng.standard_normal((3, 16)), jnp.float32)
     got = np.asarray(compute_logits(packed, cfg, h))
@@ -158,7 +158,8 @@ for M, K, N in [(1, 16, 16), (9, 40, 96), (33, 70, 32)]:
     w = rng.standard_normal((K, N)).astype(np.float32)
     got = np.asarray(native.linear(jnp.asarray(x), native.pack_weight(w)))
     errs.append(float(np.abs(got - x.astype(np.float64) @ w).max()))
-print(json.dumps({"errs": errs, "library": native.status()["library"]}))
+print(json.dumps({"errs": errs, "library": native.status()["library"], "avx512_matmul": native.status()["avx512_matmul"],
+                  "packs_weights": native.packs_weights()}))
 """
 
 
@@ -176,3 +177,19 @@ def test_portable_loops_without_avx512(tmp_path):
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["library"].startswith(str(tmp_path)) and max(out["errs"]) < 1e-3, out
+    assert out["avx512_matmul"] is False and out["packs_weights"] is False  # the runner keeps XLA's matmuls
+
+
+@needs_native
+def test_avx512_tiles_where_the_cpu_has_them(monkeypatch, tiny_llama_dir):
+    """The default build uses AVX-512 exactly where the CPU has it; a runner packs only then."""
+    from paged_jax.executor.model_runner import ModelRunner
+    from paged_jax.parallel import load_for_serving
+
+    with open("/proc/cpuinfo") as f:
+        has = any(line.startswith("flags") and " avx512f" in line for line in f)
+    assert native.status()["avx512_matmul"] == has == native.packs_weights()
+    cfg, params, _ = load_for_serving(str(tiny_llama_dir), "float32", 1)
+    monkeypatch.setitem(native._state, "avx512_matmul", False)  # as on a CPU without AVX-512
+    runner = ModelRunner(cfg, params, 4, 8, 0)
+    assert all("w_panels" not in p for p in runner.params["layers"][0].values() if isinstance(p, dict))

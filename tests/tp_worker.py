@@ -58,17 +58,10 @@ def run_job(job: dict) -> dict:
     engine = llm.llm_engine
     runner, stats = engine.runner, engine.get_stats()
     layer = runner.params["layers"][0]
-    shards = {"kv_cache": shard_shapes(runner.kv_caches[0][0])}
-    if "embed" in runner.params:
-        shards["embed"] = shard_shapes(runner.params["embed"])
-    else:  # one device on a CPU, tied head packed for the native matmul: its [V, D] shape
-        shards["embed"] = [[engine.model_config.vocab_size, runner.params["embed_panels"].shape[1]]]
-    for name in ("q", "k", "o", "up", "down", "fc1", "fc2"):
-        if name in layer and "w" in layer[name]:
-            shards[f"{name}.w"] = shard_shapes(layer[name]["w"])
-        elif name in layer:  # one device on a CPU: packed for the native matmul; its [K, N] shape
-            P, K, W = layer[name]["w_panels"].shape
-            shards[f"{name}.w"] = [[K, P * W]]
+    shards = {"kv_cache": shard_shapes(runner.kv_caches[0][0]), "embed": shard_shapes(runner.params["embed"])}
+    for name, leaf in (("q", "w"), ("k", "w"), ("o", "w"), ("up", "w"), ("down", "w"), ("fc1", "w"), ("fc2", "w")):
+        if name in layer:
+            shards[f"{name}.{leaf}"] = shard_shapes(layer[name][leaf])
     return {"tokens": [o.outputs[0].token_ids for o in outs],
             "samples": [[c.token_ids for c in o.outputs] for o in outs],
             "cum_logprobs": [o.outputs[0].cumulative_logprob for o in outs],
@@ -84,6 +77,8 @@ def main(argv) -> int:
         raise RuntimeError("JAX was imported before the device count was set")
     os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={spec['devices']}"
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    # tp = 1 is the oracle for tp > 1, which never uses the native CPU kernels: the same code both ways
+    os.environ["PAGED_JAX_NATIVE"] = "0"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if "distributed" in spec:  # one of several processes: {"coordinator_address", "num_processes", "process_id"}
         import jax

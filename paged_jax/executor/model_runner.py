@@ -106,7 +106,7 @@ class ModelRunner:
         if mesh is None and jax.default_backend() == "cpu":
             from paged_jax import native
 
-            if native.available():  # float32 linear weights in column panels for the native matmul
+            if native.packs_weights():  # float32 linear weights in column panels for the native matmul
                 params = native.pack_params(params)
         self.config, self.params, self.block_size = config, params, block_size
         self.attn = get_backend(attention_backend)

@@ -46,7 +46,7 @@ def params_from_hf(c, get, lin) -> dict:
 
 
 def embed(params, c, input_ids, positions):
-    return embed_rows(params, input_ids) + params["pos"][positions]
+    return embed_rows(params, input_ids, c.vocab_size) + params["pos"][positions]
 
 
 def layer(lp, c, h, positions, kv, meta, attn):

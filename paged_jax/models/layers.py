@@ -21,12 +21,14 @@ def linear(x, p):
     return y
 
 
-def embed_rows(params, ids):
+def embed_rows(params, ids, vocab_size: int):
     """Rows ``ids`` of the input embedding: ``embed`` [V, D], or (a tied model packed for the
     native matmul, ``paged_jax.native.pack_params``) ``embed_panels`` [P, D, W], row v in
-    panel v // W, column v % W."""
+    panel v // W, column v % W, the vocabulary padded past ``vocab_size``. Ids outside
+    [0, vocab_size) give the rows ``embed[ids]`` gives (negative from the end, then clamped)."""
     if "embed" in params:
         return params["embed"][ids]
+    ids = jnp.clip(jnp.where(ids < 0, ids + vocab_size, ids), 0, vocab_size - 1)
     panels = params["embed_panels"]
     W = panels.shape[2]
     return panels[ids // W, :, ids % W]

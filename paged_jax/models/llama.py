@@ -50,7 +50,7 @@ def params_from_hf(c, get, lin) -> dict:
 
 
 def embed(params, c, input_ids, positions):
-    return embed_rows(params, input_ids)
+    return embed_rows(params, input_ids, c.vocab_size)
 
 
 def layer(lp, c, h, positions, kv, meta, attn):

@@ -61,7 +61,7 @@ def params_from_hf(c, get, lin) -> dict:
 
 
 def embed(params, c, input_ids, positions):
-    h = embed_rows(params, input_ids)
+    h = embed_rows(params, input_ids, c.vocab_size)
     if c.word_embed_proj_dim:
         h = linear(h, params["project_in"])
     return h + params["pos"][positions + POSITION_OFFSET]

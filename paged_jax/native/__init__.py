@@ -31,6 +31,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import logging
+import math
 import os
 import platform
 import shlex
@@ -121,7 +122,7 @@ def available() -> bool:
                 lib = ctypes.cdll.LoadLibrary(str(path))
                 for target, symbol in (*TARGETS.values(), LINEAR_TARGET, SUM_TARGET):
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-                _state.update(ok=True, library=str(path))
+                _state.update(ok=True, library=str(path), avx512_matmul=bool(lib.PagedJaxLinearAvx512()))
             except Exception as e:  # no compiler, a failed build, an FFI this jaxlib lacks: run the jnp path
                 _state.update(ok=False, error=str(e))
                 logger.warning("native CPU kernels unavailable, using XLA's (jnp decode attention, XLA "
@@ -174,6 +175,12 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float) 
         scale=np.float32(scale))
 
 
+def packs_weights() -> bool:
+    """Whether a runner on this CPU should pack its weights for :func:`linear`: the kernels are
+    built, with the matmul's AVX-512 tiles (its portable loops run slower than XLA's matmul)."""
+    return available() and bool(_state.get("avx512_matmul"))
+
+
 def panel_width(n: int) -> Optional[int]:
     """The widest panel (48, 32 or 16 columns) that divides ``n`` output columns; None if none does."""
     return next((w for w in PANEL_WIDTHS if n % w == 0), None)
@@ -198,7 +205,9 @@ def unpack_weight(w_panels) -> "jax.Array":
 
 def linear(x, w_panels) -> "jax.Array":
     """``x @ unpack_weight(w_panels)`` for ``x [..., K]``: the native kernel for float32 on a CPU
-    where it is built, else XLA's matmul on the unpacked weight."""
+    where it is built, else XLA's matmul on the weight unpacked at every call (correct, but
+    slow: ``PAGED_JAX_NATIVE=0`` belongs before the runner is built, which then keeps plain
+    weights)."""
     import jax
     import jax.numpy as jnp
 
@@ -209,7 +218,7 @@ def linear(x, w_panels) -> "jax.Array":
     if x.dtype != jnp.float32 or w_panels.dtype != jnp.float32 or jax.default_backend() != "cpu" or not available():
         return x @ unpack_weight(w_panels).astype(x.dtype)
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, K)
+    x2 = x.reshape(math.prod(lead), K)
     y = jax.ffi.ffi_call(LINEAR_TARGET[0], jax.ShapeDtypeStruct((x2.shape[0], P * W), jnp.float32))(x2, w_panels)
     return y.reshape(*lead, P * W)
 
@@ -265,5 +274,5 @@ def pack_params(params):
     return walk(params)
 
 
-__all__ = ["available", "status", "supports", "paged_decode", "panel_width", "pack_weight", "unpack_weight",
+__all__ = ["available", "status", "supports", "paged_decode", "packs_weights", "panel_width", "pack_weight", "unpack_weight",
            "linear", "pack_params", "read_sum"]

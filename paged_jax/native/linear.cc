@@ -109,17 +109,22 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
   const float* ws = w.typed_data();
   float* ys = y->typed_data();
   const int64_t N = P * W;
-  paged_jax_native::ParallelRanges(pool, P, 2, [=](int64_t p0, int64_t p1) {
-    for (int64_t m0 = 0; m0 < M; m0 += kRowChunk) {
-      const int64_t m1 = std::min(M, m0 + kRowChunk);
-      for (int64_t p = p0; p < p1; ++p) {
-        const float* panel = ws + p * K * W;
-        float* out = ys + p * W;
-        switch (W) {
-          case 48: Panel<48>(xs, m0, m1, K, panel, out, N); break;
-          case 32: Panel<32>(xs, m0, m1, K, panel, out, N); break;
-          default: Panel<16>(xs, m0, m1, K, panel, out, N); break;
-        }
+  // Units of work: (row chunk, panel), panels innermost so that a thread's range runs along the
+  // panel stream. Few panels and many rows (a narrow projection in a long prefill): shorter row
+  // chunks, so that every thread gets work.
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads()) + 1;
+  int64_t rows = kRowChunk;
+  while (rows > 8 * kRows && P * ((M + rows - 1) / rows) < 2 * threads) rows /= 2;
+  const int64_t chunks = (M + rows - 1) / rows;
+  paged_jax_native::ParallelRanges(pool, P * chunks, 2, [=](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t p = u % P, m0 = (u / P) * rows, m1 = std::min(M, m0 + rows);
+      const float* panel = ws + p * K * W;
+      float* out = ys + p * W;
+      switch (W) {
+        case 48: Panel<48>(xs, m0, m1, K, panel, out, N); break;
+        case 32: Panel<32>(xs, m0, m1, K, panel, out, N); break;
+        default: Panel<16>(xs, m0, m1, K, panel, out, N); break;
       }
     }
   });
@@ -154,6 +159,16 @@ ffi::Error SumImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuf
 }
 
 }  // namespace
+
+// 1 when the matmul was built with its AVX-512 tiles, 0 for the portable loops (slower than
+// XLA's matmul: the runner then keeps plain weights).
+extern "C" int PagedJaxLinearAvx512() {
+#if defined(__AVX512F__)
+  return 1;
+#else
+  return 0;
+#endif
+}
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SumF32, SumImpl,
                               ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::Buffer<ffi::F32>>().Ret<ffi::Buffer<ffi::F32>>());
