@@ -91,6 +91,7 @@ def matmuls_alone(params, hidden: int, batch: int):
     output (cut or tiled to its width): one chain, as in the model, so no two run at once.
     Through the model's own ``linear``, so packed params (``paged_jax.native.pack_params``)
     take the native matmul and plain ones XLA's."""
+    from paged_jax import native
     from paged_jax.models.layers import linear
 
     def in_width(p):
@@ -100,8 +101,6 @@ def matmuls_alone(params, hidden: int, batch: int):
                                                                or "w_panels" in p)]
               for lp in params["layers"]]
     layers = [[{k: v for k, v in p.items() if k != "b"} for p in ps] for ps in layers]  # matmuls only
-    from paged_jax import native
-
     head = params.get("lm_head_panels", params.get("embed_panels"))  # packed: the native matmul
     if head is None:
         head = params["lm_head"] if "lm_head" in params else params["embed"].T

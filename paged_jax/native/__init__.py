@@ -15,13 +15,14 @@ stream from memory. :func:`pack_params` stores each linear layer's ``[K, N]`` we
 ``w_panels`` ``[N / W, K, W]`` (W = 48, 32 or 16 columns, each panel contiguous), and
 ``paged_jax.models.layers.linear`` then multiplies through :func:`linear`, which prefetches
 the panels ahead of use (``tests/test_native_linear.py``; ``experiments/roofline.py`` times
-the step with and without). The runner packs on a CPU, float32, one device.
+the step with and without). The runner packs on a CPU with one device, float32 weights,
+where the matmul was built with its AVX-512 tiles (:func:`packs_weights`).
 
 The library is compiled with the system's C++ compiler the first time it is
 needed, into ``$PAGED_JAX_HOME/native`` (default ``~/.cache/paged_jax/native``),
 keyed by the sources, the compiler flags, jaxlib's version and this CPU; extra flags
 come from ``PAGED_JAX_NATIVE_FLAGS``. The matmul uses AVX-512 where the CPU has it
-and portable loops elsewhere. When no compiler is found or the build fails,
+and portable loops elsewhere (correct, but slower than XLA's matmul). When no compiler is found or the build fails,
 :func:`available` is False, a warning says why, and everything runs in XLA (plain
 weights, jnp decode attention). ``PAGED_JAX_NATIVE=0`` turns the kernels off.
 """
@@ -61,8 +62,9 @@ def _flags() -> list[str]:
     """FLAGS, then any from ``PAGED_JAX_NATIVE_FLAGS`` (e.g. ``-mno-avx512f`` for the portable loops)."""
     return [*FLAGS, *shlex.split(os.environ.get("PAGED_JAX_NATIVE_FLAGS", ""))]
 
+
 _lock = threading.Lock()
-_state: dict = {}  # "ok": bool, "error": str, "library": path
+_state: dict = {}  # "ok": bool, "error": str, "library": path, "avx512_matmul": bool
 
 
 def _cpu_key() -> str:
@@ -78,8 +80,10 @@ def _library_path() -> Path:
     import jaxlib
 
     h = hashlib.sha256()
-    for part in (*(src.read_bytes() for src in (*SOURCES, *HEADERS)), " ".join(_flags()).encode(), jaxlib.__version__.encode(), _cpu_key().encode()):
-        h.update(part)
+    for path in (*SOURCES, *HEADERS):
+        h.update(path.read_bytes())
+    for part in (" ".join(_flags()), jaxlib.__version__, _cpu_key()):
+        h.update(part.encode())
     root = Path(os.environ.get("PAGED_JAX_HOME", Path.home() / ".cache" / "paged_jax"))
     return root / "native" / f"paged_jax_native-{h.hexdigest()[:16]}.so"
 
