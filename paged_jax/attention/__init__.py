@@ -11,11 +11,13 @@ Adding a variant is one file: write the function (usually the reference with a
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import jax.numpy as jnp
 
 from paged_jax.attention.metadata import AttentionMetadata
+from paged_jax.attention.spec import AttentionSpec
 from paged_jax.attention.decode import paged_decode_attention
 from paged_jax.attention.reference import paged_attention_reference
 
@@ -48,6 +50,16 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
+def soft_cap_mod(cap: Optional[float]):
+    """The reference's ``score_mod`` for logit soft-capping (None: no hook)."""
+    return None if cap is None else (lambda s, q_pos, k_pos: cap * jnp.tanh(s / cap))
+
+
+def window_mask_mod(window: Optional[int]):
+    """The reference's ``mask_mod`` for a sliding window (None: no hook)."""
+    return None if window is None else (lambda q_pos, k_pos: k_pos > q_pos - window)
+
+
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
     """Scatter this step's K/V ([T, kv_heads, head_dim]) into their slots."""
     nb, bs, kvh, d = k_cache.shape
@@ -56,7 +68,7 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
     return k_cache, v_cache
 
 
-def paged_attention_layer(q, k, v, kv_cache, meta: AttentionMetadata, scale: float, backend: Callable):
+def paged_attention_layer(q, k, v, kv_cache, *, meta: AttentionMetadata, spec: AttentionSpec, backend: Callable):
     """Write this step's K/V into the paged cache, then attend through the block tables.
 
     q: [T, H, D]; k, v: [T, KVH, D] (token-flat). Returns ([T, H, D], (k_cache, v_cache)).
@@ -64,6 +76,10 @@ def paged_attention_layer(q, k, v, kv_cache, meta: AttentionMetadata, scale: flo
     sharing, blocks another sequence fills in the same step).
     """
     k_cache, v_cache = write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+    scale = spec.scale
+    if spec.sliding_window is not None or spec.logit_soft_cap is not None:
+        backend = functools.partial(paged_attention_reference, score_mod=soft_cap_mod(spec.logit_soft_cap),
+                                    mask_mod=window_mask_mod(spec.sliding_window))
     S = meta.block_tables.shape[0]
     T, H, D = q.shape
     if meta.max_query_len == 1 and backend is paged_attention_reference:
@@ -77,7 +93,7 @@ def paged_attention_layer(q, k, v, kv_cache, meta: AttentionMetadata, scale: flo
     return out, (k_cache, v_cache)
 
 
-__all__ = ["AttentionMetadata", "paged_attention_reference", "paged_decode_attention", "register_backend", "get_backend",
+__all__ = ["AttentionMetadata", "AttentionSpec", "paged_attention_reference", "paged_decode_attention", "register_backend", "get_backend",
            "available_backends", "write_kv", "paged_attention_layer"]
 from pallas_kernels.backend import register as _register_pallas  # noqa: E402
 

@@ -8,8 +8,10 @@ computed separately (``compute_logits``) for just the rows that need them.
 
 from __future__ import annotations
 
+import functools
 from types import ModuleType
 
+from paged_jax.attention import paged_attention_layer
 from paged_jax.models import gpt2, llama, opt
 from paged_jax.models.config import ModelConfig
 
@@ -17,11 +19,14 @@ FAMILIES: dict[str, ModuleType] = {"llama": llama, "opt": opt, "gpt2": gpt2}
 
 
 def forward(params, config: ModelConfig, input_ids, positions, kv_caches, meta, attn):
+    """``attn`` is the attention backend; each layer gets it bound to the batch's metadata and
+    the layer's :class:`AttentionSpec`, as ``attn(q, k, v, kv_cache) -> (out, kv_cache)``."""
     fam = FAMILIES[config.family]
     h = fam.embed(params, config, input_ids, positions)
     new_caches = []
-    for lp, kv in zip(params["layers"], kv_caches):
-        h, kv = fam.layer(lp, config, h, positions, kv, meta, attn)
+    for i, (lp, kv) in enumerate(zip(params["layers"], kv_caches)):
+        layer_attn = functools.partial(paged_attention_layer, meta=meta, spec=config.attention_spec(i), backend=attn)
+        h, kv = fam.layer(lp, config, h, positions, kv, layer_attn)
         new_caches.append(kv)
     return fam.final(params, config, h), new_caches
 

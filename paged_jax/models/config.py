@@ -12,6 +12,7 @@ from typing import Any, Optional
 
 import numpy as np
 
+from paged_jax.attention.spec import AttentionSpec
 from paged_jax.errors import ModelLoadError
 
 # architecture name in config.json -> family
@@ -53,6 +54,10 @@ class ModelConfig:
     word_embed_proj_dim: Optional[int] = None
     enable_bias: bool = True
     has_final_layer_norm: bool = True
+    # Attention variants (None: plain causal attention, scale 1/sqrt(head_dim))
+    sliding_window: Optional[int] = None
+    attn_logit_softcap: Optional[float] = None
+    attention_scale: Optional[float] = None
     # Token ids
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[tuple[int, ...]] = field(default=None)
@@ -63,7 +68,11 @@ class ModelConfig:
 
     @property
     def softmax_scale(self) -> float:
-        return 1.0 / math.sqrt(self.head_dim)
+        return self.attention_scale if self.attention_scale is not None else 1.0 / math.sqrt(self.head_dim)
+
+    def attention_spec(self, layer: int) -> AttentionSpec:
+        """What attention layer ``layer`` computes (scale, window, soft-cap), handed to the backend."""
+        return AttentionSpec(self.softmax_scale, self.sliding_window, self.attn_logit_softcap)
 
     def rope_inv_freq(self) -> np.ndarray:
         """Inverse rotary frequencies, as transformers computes them (float32)."""

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from paged_jax.attention import paged_attention_layer
 from paged_jax.models.layers import ACTIVATIONS, embed_rows, layer_norm, linear, split_heads
 
 
@@ -49,11 +48,11 @@ def embed(params, c, input_ids, positions):
     return embed_rows(params, input_ids, c.vocab_size) + params["pos"][positions]
 
 
-def layer(lp, c, h, positions, kv, meta, attn):
+def layer(lp, c, h, positions, kv, attn):
     x = layer_norm(h, lp["ln1"], c.norm_eps)
     q, k, v = jnp.split(linear(x, lp["qkv"]), 3, axis=-1)
     q, k, v = (split_heads(t, c.num_heads, c.head_dim) for t in (q, k, v))
-    o, kv = paged_attention_layer(q, k, v, kv, meta, c.softmax_scale, attn)
+    o, kv = attn(q, k, v, kv)
     h = h + linear(o.reshape(o.shape[0], -1), lp["o"])
     x = layer_norm(h, lp["ln2"], c.norm_eps)
     return h + linear(ACTIVATIONS[c.activation](linear(x, lp["fc"])), lp["proj"]), kv

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from paged_jax.attention import paged_attention_layer
 from paged_jax.models.layers import apply_rope, embed_rows, linear, rms_norm, split_heads
 import jax
 
@@ -53,13 +52,13 @@ def embed(params, c, input_ids, positions):
     return embed_rows(params, input_ids, c.vocab_size)
 
 
-def layer(lp, c, h, positions, kv, meta, attn):
+def layer(lp, c, h, positions, kv, attn):
     x = rms_norm(h, lp["ln1"], c.norm_eps)
     inv_freq = c.rope_inv_freq()
     q = apply_rope(split_heads(linear(x, lp["q"]), c.num_heads, c.head_dim), positions, inv_freq)
     k = apply_rope(split_heads(linear(x, lp["k"]), c.num_kv_heads, c.head_dim), positions, inv_freq)
     v = split_heads(linear(x, lp["v"]), c.num_kv_heads, c.head_dim)
-    o, kv = paged_attention_layer(q, k, v, kv, meta, c.softmax_scale, attn)
+    o, kv = attn(q, k, v, kv)
     h = h + linear(o.reshape(o.shape[0], -1), lp["o"])
     x = rms_norm(h, lp["ln2"], c.norm_eps)
     h = h + linear(jax.nn.silu(linear(x, lp["gate"])) * linear(x, lp["up"]), lp["down"])

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from paged_jax.attention import paged_attention_layer
 from paged_jax.models.layers import ACTIVATIONS, embed_rows, layer_norm, linear, split_heads
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
@@ -67,13 +66,13 @@ def embed(params, c, input_ids, positions):
     return h + params["pos"][positions + POSITION_OFFSET]
 
 
-def layer(lp, c, h, positions, kv, meta, attn):
+def layer(lp, c, h, positions, kv, attn):
     pre = c.do_layer_norm_before
     x = layer_norm(h, lp["ln1"], c.norm_eps) if pre else h
     q = split_heads(linear(x, lp["q"]), c.num_heads, c.head_dim)
     k = split_heads(linear(x, lp["k"]), c.num_kv_heads, c.head_dim)
     v = split_heads(linear(x, lp["v"]), c.num_kv_heads, c.head_dim)
-    o, kv = paged_attention_layer(q, k, v, kv, meta, c.softmax_scale, attn)
+    o, kv = attn(q, k, v, kv)
     h = h + linear(o.reshape(o.shape[0], -1), lp["o"])
     if not pre:
         h = layer_norm(h, lp["ln1"], c.norm_eps)
