@@ -28,7 +28,7 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
     p.add_argument("--enable-chunked-prefill", action="store_true")
     p.add_argument("--enable-prefix-caching", action="store_true")
-    p.add_argument("--attention-backend", default="reference")
+    p.add_argument("--attention-backend", default="auto")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices to split the model over (Megatron-style tensor parallelism)")

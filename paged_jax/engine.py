@@ -45,7 +45,7 @@ class EngineArgs:
     enable_prefix_caching: bool = False
     # False: samples and beams get copies instead of shared blocks (a baseline for measuring sharing).
     enable_block_sharing: bool = True
-    attention_backend: str = "reference"
+    attention_backend: str = "auto"  # a backend name; "auto": "native" on a CPU where it can, else "reference"
     seed: int = 0
     watermark: float = 0.01
     tensor_parallel_size: int = 1  # devices the model is split over (Megatron-style; paged_jax.parallel)
@@ -111,8 +111,9 @@ class LLMEngine:
                                      enable_block_sharing=args.enable_block_sharing)
         runner = ModelRunner(mc, params, bs, num_gpu_blocks, num_cpu_blocks, args.attention_backend, args.seed,
                              mesh=mesh)
-        logger.info("paged-jax engine: model=%s family=%s dtype=%s blocks=%d x %d tokens (host %d), max_model_len=%d",
-                    model_path, mc.family, mc.dtype, num_gpu_blocks, bs, num_cpu_blocks, max_model_len)
+        logger.info("paged-jax engine: model=%s family=%s dtype=%s attention=%s blocks=%d x %d tokens (host %d), "
+                    "max_model_len=%d", model_path, mc.family, mc.dtype, runner.attention_backend, num_gpu_blocks, bs,
+                    num_cpu_blocks, max_model_len)
         self._init_core(self.scheduler_config, block_manager, runner, mc.vocab_size)
 
     @classmethod
@@ -428,6 +429,7 @@ class LLMEngine:
             "kv_cache_usage": usage.num_used_gpu_blocks / max(1, usage.num_total_gpu_blocks),
             "kv_utilization": usage.utilization,
             "num_compilations": getattr(self.runner, "num_compilations", 0),
+            "attention_backend": getattr(self.runner, "attention_backend", None),  # the backend's name, "auto" resolved
             "num_generated_tokens": self.num_generated_tokens,
             "num_steps": self.num_steps,
             # Seconds spent: engine (schedule = scheduler + block manager; process = appending tokens,

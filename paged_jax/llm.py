@@ -25,7 +25,7 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: Optional[int] = None,
                  max_model_len: Optional[int] = None, preemption_mode: Optional[str] = None,
                  enable_chunked_prefill: bool = False, enable_prefix_caching: bool = False,
-                 attention_backend: str = "reference", seed: int = 0, tensor_parallel_size: int = 1,
+                 attention_backend: str = "auto", seed: int = 0, tensor_parallel_size: int = 1,
                  warm_up: bool = False, **kwargs):
         args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, block_size=block_size,
                           num_kv_blocks=num_kv_blocks, swap_space=swap_space, max_num_seqs=max_num_seqs,

@@ -64,18 +64,37 @@ def check_shapes(heads_dim, k_cache, v_cache, interpret: bool) -> None:
                          "of 2 for the Triton backend (interpret mode takes any)")
 
 
-def attend_chunk(carry, q, k_ref, v_ref, pages, k_pos, visible, length, scale, precision):
+def visible_keys(q_pos, k_pos, length, sliding_window: int | None):
+    """Which keys each query sees: [R, chunk] from q_pos [R] and k_pos [chunk] (causal, inside the
+    sequence's ``length`` tokens, and within the last ``sliding_window`` positions when one is set)."""
+    seen = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < length)
+    if sliding_window is not None:
+        seen = seen & (k_pos[None, :] > q_pos[:, None] - sliding_window)
+    return seen
+
+
+def first_chunk(first_key, chunk: int):
+    """Index of the chunk holding position ``first_key`` (0 when it is negative): chunks before a
+    sliding window's first key are skipped, not read."""
+    return jnp.maximum(first_key, 0) // chunk
+
+
+def attend_chunk(carry, q, k_ref, v_ref, pages, k_pos, visible, length, scale, precision,
+                 logit_soft_cap: float | None = None):
     """One online-softmax step of both kernels over one chunk of pages.
 
     carry (o [R, D] f32 unnormalised, m [R] running max, l [R] running sum); q [R, D];
     pages [pages_per_chunk] i32 of k_ref/v_ref [num_blocks, block_size, D]; k_pos [chunk]
-    the keys' positions; visible: bool broadcastable to [R, chunk]. Returns the new carry.
+    the keys' positions; visible: bool broadcastable to [R, chunk]; ``logit_soft_cap``:
+    scores become ``cap * tanh(scores / cap)`` (after the scale, before the mask). Returns the new carry.
     """
     o, m, l = carry
     chunk, d = k_pos.shape[0], q.shape[1]
     k = k_ref[pages].reshape(chunk, d)
     v = v_ref[pages].reshape(chunk, d)
     s = pl.dot(q, k, trans_b=True, precision=precision) * scale  # [R, chunk] f32
+    if logit_soft_cap is not None:
+        s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
     s = jnp.where(visible, s, _NEG)
     v = jnp.where((k_pos < length)[:, None], v, 0)  # a stale Inf/NaN in an unused slot must not reach p @ v
     m_new = jnp.maximum(m, s.max(axis=-1))
@@ -87,7 +106,8 @@ def attend_chunk(carry, q, k_ref, v_ref, pages, k_pos, visible, length, scale, p
 
 
 def _decode_kernel(scale_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
-                   block_size: int, pages_per_chunk: int, pages_per_partition: int, precision):
+                   block_size: int, pages_per_chunk: int, pages_per_partition: int, precision,
+                   sliding_window: int | None, logit_soft_cap: float | None):
     """One (sequence, kv head, partition).
 
     scale_ref [1] f32; len_ref [1] i32; bt_ref [pages_per_partition] i32;
@@ -104,14 +124,17 @@ def _decode_kernel(scale_ref, len_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, m_ref
     n_chunks = pl.cdiv(n_pages, pages_per_chunk)
     q = q_ref[...]
     scale = scale_ref[0]
+    q_pos = jnp.full((gp,), length - 1, jnp.int32)  # the newest token
+    lo = 0 if sliding_window is None else first_chunk(length - sliding_window - first_page * block_size, chunk)
 
     def body(c, carry):
         pages = bt_ref[pl.ds(c * pages_per_chunk, pages_per_chunk)]
         pos = (first_page + c * pages_per_chunk) * block_size + jnp.arange(chunk, dtype=jnp.int32)
-        return attend_chunk(carry, q, k_ref, v_ref, pages, pos, (pos < length)[None, :], length, scale, precision)
+        visible = visible_keys(q_pos, pos, length, sliding_window)
+        return attend_chunk(carry, q, k_ref, v_ref, pages, pos, visible, length, scale, precision, logit_soft_cap)
 
     init = (jnp.zeros((gp, d), jnp.float32), jnp.full((gp,), _NEG, jnp.float32), jnp.zeros((gp,), jnp.float32))
-    o, m, l = lax.fori_loop(0, n_chunks, body, init)
+    o, m, l = lax.fori_loop(lo, jnp.maximum(n_chunks, lo), body, init)
     o_ref[...] = o
     m_ref[...] = m
     l_ref[...] = l
@@ -138,10 +161,11 @@ def _plan(block_size: int, max_blocks: int, partition_size: int | None, chunk_to
 
 
 @functools.partial(jax.jit, static_argnames=("partition_size", "chunk_tokens", "interpret", "num_warps",
-                                             "num_stages"))
+                                             "num_stages", "sliding_window", "logit_soft_cap"))
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *,
                            partition_size: int | None = None, chunk_tokens: int = 64,
-                           interpret: bool | None = None, num_warps: int = 4, num_stages: int = 2):
+                           interpret: bool | None = None, num_warps: int = 4, num_stages: int = 2,
+                           sliding_window: int | None = None, logit_soft_cap: float | None = None):
     """Decode attention of one query per sequence over its paged K/V.
 
     q [S, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D]; block_tables int32
@@ -149,7 +173,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     ``partition_size`` (tokens, a multiple of block_size) splits each context into
     partitions run in parallel and merged (None: one partition). ``chunk_tokens``:
     tokens per inner loop step (rounded to whole pages). ``interpret``: None means
-    interpret on CPU. Returns [S, H, D] in q's dtype; softmax in float32.
+    interpret on CPU. ``sliding_window``: the query sees only the last ``sliding_window``
+    positions (chunks before them are skipped); ``logit_soft_cap``: scores become
+    ``cap * tanh(scores / cap)``. Returns [S, H, D] in q's dtype; softmax in float32.
     Padded rows (context_len 0) return zeros.
     """
     S, H, D = q.shape
@@ -172,7 +198,8 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 
     kernel = functools.partial(_decode_kernel, block_size=block_size, pages_per_chunk=ppc,
-                               pages_per_partition=ppp, precision=precision)
+                               pages_per_partition=ppp, precision=precision, sliding_window=sliding_window,
+                               logit_soft_cap=logit_soft_cap)
     cache_spec = pl.BlockSpec((num_blocks, block_size, None, D), lambda s, h, p: (0, 0, h, 0))
     o, m, l = pl.pallas_call(
         kernel,

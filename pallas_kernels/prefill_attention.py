@@ -27,11 +27,13 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu_triton
 
-from pallas_kernels.paged_attention import _MIN_DOT, _NEG, _next_pow2, attend_chunk, check_shapes
+from pallas_kernels.paged_attention import (_MIN_DOT, _NEG, _next_pow2, attend_chunk, check_shapes, first_chunk,
+                                            visible_keys)
 
 
 def _prefill_kernel(scale_ref, len_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *,
-                    block_size: int, pages_per_chunk: int, queries_per_tile: int, heads_per_row: int, precision):
+                    block_size: int, pages_per_chunk: int, queries_per_tile: int, heads_per_row: int, precision,
+                    sliding_window: int | None, logit_soft_cap: float | None):
     """One (sequence, kv head, query tile).
 
     scale_ref [1] f32; len_ref, qlen_ref [1] i32; bt_ref [max_blocks_padded] i32;
@@ -51,16 +53,18 @@ def _prefill_kernel(scale_ref, len_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref, o
     n_chunks = pl.cdiv(n_keys, chunk)
     q = q_ref[...]
     scale = scale_ref[0]
+    # With a window, the tile's first query bounds the keys from below.
+    lo = 0 if sliding_window is None else first_chunk(length - qlen + first_q - sliding_window + 1, chunk)
 
     def body(c, carry):
         pages = bt_ref[pl.ds(c * pages_per_chunk, pages_per_chunk)]
         k_pos = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
-        visible = (k_pos[None, :] <= q_pos[:, None]) & (k_pos[None, :] < length)
-        return attend_chunk(carry, q, k_ref, v_ref, pages, k_pos, visible, length, scale, precision)
+        visible = visible_keys(q_pos, k_pos, length, sliding_window)
+        return attend_chunk(carry, q, k_ref, v_ref, pages, k_pos, visible, length, scale, precision, logit_soft_cap)
 
     init = (jnp.zeros((rows, d), jnp.float32), jnp.full((rows,), _NEG, jnp.float32),
             jnp.zeros((rows,), jnp.float32))
-    o, m, l = lax.fori_loop(0, n_chunks, body, init)
+    o, m, l = lax.fori_loop(lo, jnp.maximum(n_chunks, lo), body, init)
     o_ref[...] = (o / jnp.where(l > 0, l, 1.0)[:, None]).astype(o_ref.dtype)
 
 
@@ -71,10 +75,12 @@ def _tile_plan(Q: int, Gp: int, tile_rows: int) -> int:
     return max(bq, -(-_MIN_DOT // Gp))
 
 
-@functools.partial(jax.jit, static_argnames=("chunk_tokens", "tile_rows", "interpret", "num_warps", "num_stages"))
+@functools.partial(jax.jit, static_argnames=("chunk_tokens", "tile_rows", "interpret", "num_warps", "num_stages",
+                                             "sliding_window", "logit_soft_cap"))
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, *,
                             chunk_tokens: int = 64, tile_rows: int = 64, interpret: bool | None = None,
-                            num_warps: int = 4, num_stages: int = 2):
+                            num_warps: int = 4, num_stages: int = 2, sliding_window: int | None = None,
+                            logit_soft_cap: float | None = None):
     """Causal attention of ``Q`` queries per sequence over its paged K/V.
 
     q [S, Q, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D]; block_tables int32
@@ -82,7 +88,9 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, que
     Query ``i`` of sequence ``s`` sits at position ``context_lens[s] - query_lens[s] + i``.
     ``chunk_tokens``: K/V tokens per loop step (whole pages, at least 16); ``tile_rows``:
     query rows (queries x grouped heads) per program. ``interpret``: None means interpret
-    on CPU. Returns [S, Q, H, D] in q's dtype (softmax in float32); rows ``i >= query_lens[s]``
+    on CPU. ``sliding_window``: query ``p`` sees only positions ``p - window + 1 .. p`` (chunks
+    before a tile's window are skipped); ``logit_soft_cap``: scores become ``cap * tanh(scores / cap)``.
+    Returns [S, Q, H, D] in q's dtype (softmax in float32); rows ``i >= query_lens[s]``
     are padding (finite, unspecified); padded sequences (length 0) give zeros.
     """
     S, Q, H, D = q.shape
@@ -108,7 +116,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, que
     precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
 
     kernel = functools.partial(_prefill_kernel, block_size=block_size, pages_per_chunk=ppc, queries_per_tile=bq,
-                               heads_per_row=Gp, precision=precision)
+                               heads_per_row=Gp, precision=precision, sliding_window=sliding_window,
+                               logit_soft_cap=logit_soft_cap)
     cache_spec = pl.BlockSpec((num_blocks, block_size, None, D), lambda s, h, t: (0, 0, h, 0))
     out = pl.pallas_call(
         kernel,

@@ -24,11 +24,9 @@ def step_collectives(runner) -> dict:
     import re
 
     from paged_jax.executor.batch import SeqChunk, prepare_batch
-    from paged_jax.executor.model_runner import BATCH_FIELDS
 
     b = prepare_batch([SeqChunk([5], 7, [1]), SeqChunk([6], 3, [2])], runner.block_size)
-    arrays = {k: getattr(b, k) for k in BATCH_FIELDS}
-    hlo = runner._step.lower(runner.params, runner.kv_caches, arrays, b.max_query_len, False).compile().as_text()
+    hlo = runner._step.lower(runner.params, runner.kv_caches, b, False).compile().as_text()
     found: dict = {}
     for shape, op in re.findall(r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(", hlo):
         found.setdefault(op, []).append(shape)

@@ -9,30 +9,22 @@ longer in attention (``experiments/roofline.py``). Large batches run a few seque
 a time (``lax.map``), so that each group's gathered K and V (about 1,024 tokens) stay in
 the CPU's caches: 3x faster at 128 sequences of 128 or 512 tokens.
 
-On a CPU with float32 or bfloat16 caches the native kernel (``paged_jax/native``) runs
-instead when it could be built: it reads K/V through the block table without gathering
-them, 3-6x faster again.
+This is the ``"reference"`` backend's decode (plain jnp, no C++). The ``"native"`` backend
+(``paged_jax/native``, the engine's choice on a CPU where it builds) reads K/V through the
+block table without gathering them, 3-6x faster again.
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, tokens_per_group: int = 1024,
-                           native: Optional[bool] = None):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, tokens_per_group: int = 1024):
     """q: [S, num_heads, head_dim], the newest token of each sequence (at position
     ``context_lens[s] - 1``); caches ``[num_blocks, block_size, num_kv_heads, head_dim]``;
     block_tables int32 [S, max_blocks]. Returns [S, num_heads, head_dim] in q's dtype;
-    softmax in float32. Rows with ``context_lens == 0`` (padding) give unspecified values.
-    ``native``: None uses the native CPU kernel where it can run, False never, True always."""
-    from paged_jax import native as native_kernel
-
-    if native or (native is None and native_kernel.supports(q, k_cache, v_cache)):
-        return native_kernel.paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale)
+    softmax in float32. Rows with ``context_lens == 0`` (padding) give unspecified values."""
     S = q.shape[0]
     L = block_tables.shape[1] * k_cache.shape[1]
     group = max(4, tokens_per_group // L)

@@ -2,19 +2,21 @@
 
 Each running sequence contributes a *chunk*: its new tokens this step (a whole
 prompt, a prefill chunk, or one decode token), the position of the first of
-them, and its block table. ``prepare_batch`` turns the chunks into the padded
-int32 arrays the jitted step takes.
+them, and its block table. ``prepare_batch`` turns the chunks into a :class:`Batch`,
+the one pytree the jitted step takes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
+import jax
 import numpy as np
 
+from paged_jax.attention.metadata import AttentionMetadata, array_field
+from paged_jax.memory.block_allocator import NULL_BLOCK  # padded rows read it and padded tokens write it
 from paged_jax.utils import pow2_bucket as bucket
-
-NULL_BLOCK = 0  # reserved physical block that padded rows read and padded tokens write
 
 
 @dataclass
@@ -24,24 +26,41 @@ class SeqChunk:
     block_table: list[int]  # covers start_pos + len(token_ids) tokens (blocks past them are not sent)
 
 
-@dataclass
-class Batch:
-    input_ids: np.ndarray  # [T]
-    positions: np.ndarray  # [T]
-    slot_mapping: np.ndarray  # [T]
-    token_seq: np.ndarray  # [T]
-    token_qidx: np.ndarray  # [T]
-    block_tables: np.ndarray  # [S, B]
-    context_lens: np.ndarray  # [S]
-    query_lens: np.ndarray  # [S]
-    logits_indices: np.ndarray  # [S]: flat index of each sequence's last token
-    max_query_len: int
-    num_seqs: int  # real (unpadded) sequences
-    num_tokens: int  # real tokens
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True, kw_only=True)
+class Batch(AttentionMetadata):
+    """One step's arrays: the attention metadata (this is its subclass, so attention sees the
+    batch itself) plus the model's inputs. A pytree whose static part is ``max_query_len``;
+    with the array shapes that make the bucket, :attr:`shape_key`."""
+
+    input_ids: jax.Array = array_field("T")
+    positions: jax.Array = array_field("T")
+    logits_indices: jax.Array = array_field("S")  # flat index of each sequence's last token
 
     @property
-    def shape_key(self) -> tuple:
+    def shape_key(self) -> tuple[int, int, int, int]:
+        """(tokens T, sequences S, blocks per table B, max_query_len Q): what a step compiles for."""
         return (self.input_ids.shape[0], self.block_tables.shape[0], self.block_tables.shape[1], self.max_query_len)
+
+    @classmethod
+    def abstract(cls, shape_key: tuple[int, int, int, int]) -> "Batch":
+        """A batch of ``jax.ShapeDtypeStruct`` leaves for ``shape_key``, to compile against."""
+        T, S, B, Q = shape_key
+        sizes = {"T": T, "S": S, "B": B}
+        return cls(max_query_len=Q, **{f.name: jax.ShapeDtypeStruct(tuple(sizes[d] for d in f.metadata["dims"]),
+                                                                    np.int32)
+                                       for f in dataclasses.fields(cls) if "dims" in f.metadata})
+
+    # Host-side counts (numpy leaves only): every real sequence has at least one new token.
+    @property
+    def num_seqs(self) -> int:
+        """Real (unpadded) sequences."""
+        return int(np.count_nonzero(self.query_lens))
+
+    @property
+    def num_tokens(self) -> int:
+        """Real tokens."""
+        return int(np.sum(self.query_lens))
 
 
 def prepare_batch(chunks: list[SeqChunk], block_size: int, min_tokens: int = 8, min_seqs: int = 1,
@@ -86,8 +105,9 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, min_tokens: int = 8, 
         query_lens[s] = n
         logits_indices[s] = t + n - 1
         t += n
-    return Batch(input_ids, positions, slot_mapping, token_seq, token_qidx, block_tables, context_lens,
-                 query_lens, logits_indices, Qp, S, T)
+    return Batch(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, token_seq=token_seq,
+                 token_qidx=token_qidx, block_tables=block_tables, context_lens=context_lens, query_lens=query_lens,
+                 logits_indices=logits_indices, max_query_len=Qp)
 
 
 def split_chunks(chunks: list[SeqChunk], one_batch: bool = False) -> list[tuple[int, list[int]]]:

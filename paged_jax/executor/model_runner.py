@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax.attention import AttentionMetadata, get_backend
+from paged_jax.attention import select_backend
 from paged_jax.executor.batch import Batch, SeqChunk, bucket, prepare_part, split_chunks, warmup_shapes
 from paged_jax.memory import cache_ops
 from paged_jax.models import compute_logits, forward
@@ -29,10 +29,6 @@ from paged_jax.scheduler import SchedulerOutput
 from paged_jax.utils import pow2_bucket
 
 logger = logging.getLogger("paged_jax")
-
-BATCH_FIELDS = ("input_ids", "positions", "slot_mapping", "token_seq", "token_qidx", "block_tables",
-                "context_lens", "query_lens", "logits_indices")
-
 
 @dataclass
 class Sample:
@@ -98,18 +94,37 @@ def _take_rows(x, idx):
     return x[idx]
 
 
+def make_step(config: ModelConfig, attn):
+    """The step function the runner jits: ``step(params, kv_caches, batch, all_logits) -> (logits,
+    kv_caches)`` for attention backend ``attn`` (an object, used as given: no availability check,
+    so a step for another platform can be lowered here). ``all_logits`` is static: the logits of
+    every token, or of each sequence's last one."""
+
+    def step(params, kv_caches, batch: Batch, all_logits: bool):
+        hidden, kv_caches = forward(params, config, batch.input_ids, batch.positions, kv_caches, batch, attn)
+        rows = hidden if all_logits else hidden[batch.logits_indices]
+        return compute_logits(params, config, rows), kv_caches
+
+    return step
+
+
 class ModelRunner:
     def __init__(self, config: ModelConfig, params, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
-                 attention_backend: str = "reference", seed: int = 0, mesh=None):
-        """``mesh``: tensor parallelism (``paged_jax.parallel``): params already sharded on it,
-        the KV cache split over KV heads, the attention backend run per device in shard_map."""
+                 attention_backend: str = "auto", seed: int = 0, mesh=None):
+        """``attention_backend``: a registered backend's name, checked against every layer's
+        :class:`AttentionSpec` and the dtype (ValueError if it refuses), or ``"auto"`` (see
+        :func:`select_backend`). ``mesh``: tensor parallelism (``paged_jax.parallel``): params
+        already sharded on it, the KV cache split over KV heads, the attention backend run per
+        device in shard_map."""
         if mesh is None and jax.default_backend() == "cpu":
             from paged_jax import native
 
             if native.packs_weights():  # float32 linear weights in column panels for the native matmul
                 params = native.pack_params(params)
         self.config, self.params, self.block_size = config, params, block_size
-        self.attn = get_backend(attention_backend)
+        self.attn = select_backend(attention_backend, [config.attention_spec(i) for i in range(config.num_layers)],
+                                   config.dtype)
+        self.attention_backend = self.attn.name
         self.seed = seed
         self.mesh, self.kv_sharding, out_shardings = mesh, None, None
         if mesh is not None:
@@ -124,21 +139,15 @@ class ModelRunner:
         self.host_pool = cache_ops.allocate_host_pool(num_blocks=num_cpu_blocks, **shape)
         self._compiled: set = set()
         self._executables: dict = {}  # (shape_key, all_logits) -> compiled step, filled by warm_up
-        self._step = jax.jit(self._step_fn, static_argnums=(3, 4), donate_argnums=(1,), out_shardings=out_shardings)
+        self._step = jax.jit(make_step(config, self.attn), static_argnums=(3,), donate_argnums=(1,),
+                             out_shardings=out_shardings)
         self._sample_step = 0
         self.timings = {"prepare": 0.0, "cache_ops": 0.0, "device": 0.0, "sample": 0.0}
 
-    # ---- the jitted step -----------------------------------------------------
-    def _step_fn(self, params, kv_caches, b, max_query_len: int, all_logits: bool):
-        meta = AttentionMetadata(b["slot_mapping"], b["token_seq"], b["token_qidx"], b["block_tables"],
-                                 b["context_lens"], b["query_lens"], max_query_len=max_query_len)
-        hidden, kv_caches = forward(params, self.config, b["input_ids"], b["positions"], kv_caches, meta, self.attn)
-        rows = hidden if all_logits else hidden[b["logits_indices"]]
-        return compute_logits(params, self.config, rows), kv_caches
-
     @property
     def num_compilations(self) -> int:
-        """Distinct step shapes compiled, plus sampler variants and cache-op shapes (process-wide)."""
+        """Distinct step shapes compiled (``(Batch.shape_key, all_logits)``), plus sampler variants and
+        cache-op shapes (process-wide)."""
         return (len(self._compiled) + sample._cache_size() + _take_rows._cache_size()
                 + sum(cache_ops.num_compiled_shapes().values()))
 
@@ -146,12 +155,11 @@ class ModelRunner:
         """The forward pass; returns the logits (on the device) of each row's last token, or of every token."""
         key = (batch.shape_key, all_logits)
         self._compiled.add(key)
-        arrays = {k: getattr(batch, k) for k in BATCH_FIELDS}
         compiled = self._executables.get(key)
         if compiled is not None:
-            logits, self.kv_caches = compiled(self.params, self.kv_caches, arrays)
+            logits, self.kv_caches = compiled(self.params, self.kv_caches, batch)
         else:
-            logits, self.kv_caches = self._step(self.params, self.kv_caches, arrays, batch.max_query_len, all_logits)
+            logits, self.kv_caches = self._step(self.params, self.kv_caches, batch, all_logits)
         return logits
 
     def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
@@ -170,11 +178,7 @@ class ModelRunner:
             bar = tqdm(total=len(shapes), desc="Compiling step shapes", dynamic_ncols=True)
         try:
             for key in shapes:
-                T, S, B, Q = key
-                spec = {k: jax.ShapeDtypeStruct((S, B) if k == "block_tables" else
-                                                ((S,) if k in ("context_lens", "query_lens", "logits_indices")
-                                                 else (T,)), np.int32) for k in BATCH_FIELDS}
-                self._executables[(key, False)] = self._step.lower(self.params, self.kv_caches, spec, Q,
+                self._executables[(key, False)] = self._step.lower(self.params, self.kv_caches, Batch.abstract(key),
                                                                    False).compile()
                 self._compiled.add((key, False))
                 if bar is not None:

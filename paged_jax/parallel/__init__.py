@@ -17,10 +17,8 @@ query heads use; the KV cache then holds ``tp`` heads. Anything else is refused.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
-
 from paged_jax.models.config import ModelConfig
-from paged_jax.parallel.rules import AXIS, HEADS_SPEC, KV_CACHE_SPEC
+from paged_jax.parallel.rules import AXIS, KV_CACHE_SPEC
 
 
 def check_tensor_parallel(config: ModelConfig, tp: int) -> tuple[ModelConfig, int]:
@@ -67,20 +65,38 @@ def replicated(mesh):
     return NamedSharding(mesh, PartitionSpec())
 
 
-def shard_backend(backend: Callable, mesh) -> Callable:
-    """Run an attention backend per device on its own heads (q, K and V caches split over heads)."""
-    import jax
-    from jax.sharding import PartitionSpec as P
+class ShardedBackend:
+    """An attention backend run per device on its own heads (q and the K/V caches split over
+    heads, the metadata replicated): its decode and prefill each inside ``jax.shard_map``."""
 
-    def sharded(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale):
-        def local(q, k_cache, v_cache, block_tables, context_lens, query_lens):
-            return backend(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale)
+    def __init__(self, backend, mesh):
+        self.backend, self.mesh, self.name = backend, mesh, backend.name
 
-        return jax.shard_map(local, mesh=mesh, in_specs=(HEADS_SPEC, KV_CACHE_SPEC, KV_CACHE_SPEC, P(), P(), P()),
-                             out_specs=HEADS_SPEC, check_vma=False)(
-            q, k_cache, v_cache, block_tables, context_lens, query_lens)
+    def check(self, spec, dtype) -> None:
+        self.backend.check(spec, dtype)
 
-    return sharded
+    def _per_device(self, method, q, k_cache, v_cache, meta, spec):
+        import jax
+        from jax.sharding import PartitionSpec as P
+
+        def local(q, k_cache, v_cache, meta):
+            return method(q, k_cache, v_cache, meta, spec)
+
+        heads = P(*[None] * (q.ndim - 2), AXIS, None)  # [..., H, D] split over H
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(heads, KV_CACHE_SPEC, KV_CACHE_SPEC,
+                                                              jax.tree.map(lambda _: P(), meta)),
+                             out_specs=heads, check_vma=False)(q, k_cache, v_cache, meta)
+
+    def decode(self, q, k_cache, v_cache, meta, spec):
+        return self._per_device(self.backend.decode, q, k_cache, v_cache, meta, spec)
+
+    def prefill(self, q, k_cache, v_cache, meta, spec):
+        return self._per_device(self.backend.prefill, q, k_cache, v_cache, meta, spec)
+
+
+def shard_backend(backend, mesh) -> ShardedBackend:
+    """Run an attention backend per device on its own heads (see :class:`ShardedBackend`)."""
+    return ShardedBackend(backend, mesh)
 
 
 def load_for_serving(path, dtype: str = "auto", tensor_parallel_size: int = 1):
@@ -103,5 +119,5 @@ def load_for_serving(path, dtype: str = "auto", tensor_parallel_size: int = 1):
     return run_config, params, mesh
 
 
-__all__ = ["check_tensor_parallel", "make_mesh", "kv_cache_sharding", "replicated", "shard_backend",
+__all__ = ["check_tensor_parallel", "make_mesh", "kv_cache_sharding", "replicated", "shard_backend", "ShardedBackend",
            "load_for_serving", "AXIS"]

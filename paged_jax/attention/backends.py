@@ -1,0 +1,168 @@
+"""Attention backends as objects, registered by name, and the built-in ones.
+
+A backend has a ``name`` and three methods:
+
+- ``check(spec, dtype)``: raise ValueError, naming the backend and what it cannot do, when
+  it cannot honour ``spec`` (an :class:`AttentionSpec`) for caches of ``dtype`` on this
+  machine. The engine calls it for every layer's spec before anything is compiled, so a
+  backend never meets a spec it refused.
+- ``decode(q, k_cache, v_cache, meta, spec)``: q ``[S, H, D]``, the newest token of each
+  sequence (at position ``context_lens[s] - 1``) -> ``[S, H, D]``.
+- ``prefill(q, k_cache, v_cache, meta, spec)``: q ``[S, Q, H, D]``, query ``i`` of sequence
+  ``s`` at position ``context_lens[s] - query_lens[s] + i`` -> ``[S, Q, H, D]``.
+
+Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` and already hold this step's
+K/V; ``meta`` is the step's :class:`AttentionMetadata` (block tables, lengths); outputs are in
+q's dtype. Built in: ``"reference"`` (plain jnp), ``"native"`` (the C++ CPU decode kernel),
+``"pallas"`` and ``"pallas-interpret"`` (``pallas_kernels/backend.py``). A variant of your
+own is one file: a :class:`ReferenceBackend` with ``score_mod`` / ``mask_mod`` hooks (or a
+class with the three methods) and a :func:`register_backend` call
+(see ``paged_jax/attention/variants/``).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional
+
+import jax
+import jax.numpy as jnp
+
+from paged_jax.attention.decode import paged_decode_attention
+from paged_jax.attention.reference import MaskMod, ScoreMod, paged_attention_reference
+from paged_jax.attention.spec import AttentionSpec
+
+AUTO = "auto"  # the engine's default: "native" where it can honour the model, else "reference"
+_BACKENDS: dict = {}
+
+
+def register_backend(backend) -> None:
+    """Make ``backend`` available as ``attention_backend=backend.name`` (replacing one of that name)."""
+    name = getattr(backend, "name", None)
+    if not isinstance(name, str) or not name or name == AUTO:
+        raise ValueError(f"a backend's name must be a non-empty string other than {AUTO!r}, got {name!r} "
+                         f"(from {backend!r})")
+    missing = [m for m in ("check", "decode", "prefill") if not callable(getattr(backend, m, None))]
+    if missing:
+        raise ValueError(f"backend {name!r} must have callable check, decode and prefill methods; "
+                         f"{', '.join(missing)} missing")
+    _BACKENDS[name] = backend
+
+
+def get_backend(name: str):
+    """The backend registered as ``name``, unchecked (``select_backend`` checks it against a model)."""
+    if name not in _BACKENDS:
+        raise ValueError(f"attention_backend must be {AUTO!r} or one of {available_backends()}, got {name!r}")
+    return _BACKENDS[name]
+
+
+def available_backends() -> list[str]:
+    return sorted(_BACKENDS)
+
+
+def select_backend(name: str, specs: Iterable[AttentionSpec], dtype: str):
+    """The backend an engine runs: ``name``'s, checked against every spec (ValueError if it
+    refuses one), or for ``"auto"`` the native backend where it passes its check, else the reference."""
+    specs = set(specs)
+    if name == AUTO:
+        try:
+            for spec in specs:
+                NATIVE.check(spec, dtype)
+            return NATIVE
+        except ValueError:
+            return REFERENCE
+    backend = get_backend(name)
+    for spec in specs:
+        backend.check(spec, dtype)
+    return backend
+
+
+def soft_cap_mod(cap: Optional[float]) -> Optional[ScoreMod]:
+    """The reference's ``score_mod`` for logit soft-capping (None: no hook)."""
+    return None if cap is None else (lambda s, q_pos, k_pos: cap * jnp.tanh(s / cap))
+
+
+def window_mask_mod(window: Optional[int]) -> Optional[MaskMod]:
+    """The reference's ``mask_mod`` for a sliding window (None: no hook)."""
+    return None if window is None else (lambda q_pos, k_pos: k_pos > q_pos - window)
+
+
+def _chain_scores(first: Optional[ScoreMod], then: Optional[ScoreMod]) -> Optional[ScoreMod]:
+    if first is None or then is None:
+        return first or then
+    return lambda s, q_pos, k_pos: then(first(s, q_pos, k_pos), q_pos, k_pos)
+
+
+def _both_masks(a: Optional[MaskMod], b: Optional[MaskMod]) -> Optional[MaskMod]:
+    if a is None or b is None:
+        return a or b
+    return lambda q_pos, k_pos: a(q_pos, k_pos) & b(q_pos, k_pos)
+
+
+class ReferenceBackend:
+    """The plain-jnp definition (:func:`paged_attention_reference`), any dtype and platform.
+
+    The spec's soft-cap and window become the reference's ``score_mod`` / ``mask_mod``;
+    ``score_mod`` / ``mask_mod`` given here are a researcher's own variant, applied after the
+    spec's (the cap, then your score_mod; your mask and the window both must allow a key).
+    A decode step without hooks runs :func:`paged_decode_attention`: plain jnp, the same
+    function in the head-major layout XLA's CPU backend runs fastest."""
+
+    def __init__(self, name: str = "reference", score_mod: Optional[ScoreMod] = None,
+                 mask_mod: Optional[MaskMod] = None):
+        self.name, self.score_mod, self.mask_mod = name, score_mod, mask_mod
+
+    def check(self, spec: AttentionSpec, dtype: str) -> None:
+        pass  # honours every field, in every dtype
+
+    def _hooks(self, spec: AttentionSpec):
+        return dict(score_mod=_chain_scores(soft_cap_mod(spec.logit_soft_cap), self.score_mod),
+                    mask_mod=_both_masks(window_mask_mod(spec.sliding_window), self.mask_mod))
+
+    def prefill(self, q, k_cache, v_cache, meta, spec: AttentionSpec):
+        return paged_attention_reference(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
+                                         meta.query_lens, spec.scale, **self._hooks(spec))
+
+    def decode(self, q, k_cache, v_cache, meta, spec: AttentionSpec):
+        hooks = self._hooks(spec)
+        if hooks["score_mod"] is None and hooks["mask_mod"] is None:
+            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, spec.scale)
+        # Padded rows have query_lens 0; their output is unspecified, so any query position will do.
+        return self.prefill(q[:, None], k_cache, v_cache, meta, spec)[:, 0]
+
+
+class NativeBackend:
+    """Decode through the C++ CPU kernel (``paged_jax/native``), prefill through the reference.
+
+    float32 or bfloat16 caches on a CPU where the kernel builds; no sliding window or
+    soft-cap (the kernel has neither)."""
+
+    name = "native"
+    DTYPES = ("float32", "bfloat16")
+
+    def check(self, spec: AttentionSpec, dtype: str) -> None:
+        from paged_jax import native
+
+        why = None
+        if spec.sliding_window is not None or spec.logit_soft_cap is not None:
+            why = (f"its decode kernel has no sliding window or logit soft-cap, and the model asks for "
+                   f"sliding_window={spec.sliding_window}, logit_soft_cap={spec.logit_soft_cap}")
+        elif str(dtype) not in self.DTYPES:
+            why = f"it takes dtype {' or '.join(self.DTYPES)}, got {dtype!r}"
+        elif jax.default_backend() != "cpu":
+            why = f"it runs on a CPU, and JAX's default backend is {jax.default_backend()!r}"
+        elif not native.available():
+            why = f"the native library is not available here ({native.status().get('error', 'PAGED_JAX_NATIVE=0')})"
+        if why:
+            raise ValueError(f"attention_backend='native' cannot run this model: {why}; use 'reference' or 'auto'")
+
+    def decode(self, q, k_cache, v_cache, meta, spec: AttentionSpec):
+        from paged_jax import native
+
+        return native.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, spec.scale)
+
+    def prefill(self, q, k_cache, v_cache, meta, spec: AttentionSpec):
+        return REFERENCE.prefill(q, k_cache, v_cache, meta, spec)
+
+
+REFERENCE = ReferenceBackend()
+NATIVE = NativeBackend()
