@@ -1,4 +1,4 @@
-"""The native CPU decode kernel (paged_jax/native) against a numpy oracle, and its fallback."""
+"""The native CPU decode kernel (paged_jax/native) against a numpy oracle, the "native" backend, and its fallback."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from paged_jax import native
-from paged_jax.attention import paged_attention_reference, paged_decode_attention
+from paged_jax.attention import AttentionMetadata, AttentionSpec, paged_attention_reference, paged_decode_attention
+from paged_jax.attention.backends import NATIVE, REFERENCE
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernel not built: {native.status()}")
 
@@ -119,26 +120,32 @@ def test_mismatched_shapes_are_refused_with_the_shapes():
         native.paged_decode(q[:, :4], k, k, tables, lens[:1], 1.0)
 
 
+def _decode(backend, q, k, v, tables, lens, scale):
+    """``backend.decode`` for a batch of one new token per sequence."""
+    meta = AttentionMetadata(slot_mapping=None, token_seq=None, token_qidx=None, block_tables=tables,
+                             context_lens=lens, query_lens=jnp.ones_like(lens))
+    return backend.decode(q, k, v, meta, AttentionSpec(scale))
+
+
 @needs_native
-def test_decode_entry_point_uses_native_and_agrees_with_jnp_and_reference():
+def test_native_backend_runs_the_kernel_and_reference_does_not():
     rng = np.random.default_rng(5)
     q, k, v, tables, lens = make_case(rng, 16, 8, 2, 32, 16, 4, 65, poison=False)
     args = tuple(jnp.asarray(x) for x in (q, k, v, tables, lens))
-    fn = jax.jit(lambda *a: paged_decode_attention(*a, 0.2))
-    assert native.TARGETS["float32"][0] in fn.lower(*args).as_text()  # float32 on the CPU: the native kernel
-    jnp_path = jax.jit(lambda *a: paged_decode_attention(*a, 0.2, native=False))
-    assert "paged_jax_paged_decode" not in jnp_path.lower(*args).as_text()
+    fn = jax.jit(lambda *a: _decode(NATIVE, *a, 0.2))
+    assert native.TARGETS["float32"][0] in fn.lower(*args).as_text()
+    jnp_path = jax.jit(lambda *a: _decode(REFERENCE, *a, 0.2))
+    assert "paged_jax_paged_decode" not in jnp_path.lower(*args).as_text()  # plain jnp, no C++
     ref = paged_attention_reference(args[0][:, None], *args[1:], jnp.ones(16, jnp.int32), 0.2)[:, 0]
     np.testing.assert_allclose(np.asarray(fn(*args)), np.asarray(ref), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(jnp_path(*args)), np.asarray(ref), rtol=1e-5, atol=1e-5)
-    # bfloat16 runs its own variant; float16, or mixed dtypes, run the jnp path.
-    def lowered(dq, dkv):
-        f = jax.jit(lambda q, k, v, t, l: paged_decode_attention(q, k, v, t, l, 0.2))
-        return f.lower(args[0].astype(dq), args[1].astype(dkv), args[2].astype(dkv), *args[3:]).as_text()
-
-    assert native.TARGETS["bfloat16"][0] in lowered(jnp.bfloat16, jnp.bfloat16)
-    assert "paged_jax_paged_decode" not in lowered(jnp.float16, jnp.float16)
-    assert "paged_jax_paged_decode" not in lowered(jnp.float32, jnp.bfloat16)
+    np.testing.assert_allclose(np.asarray(paged_decode_attention(*args, 0.2)), np.asarray(ref), rtol=1e-5, atol=1e-5)
+    # bfloat16 runs its own variant; the backend refuses float16 at engine start.
+    bf = [a.astype(jnp.bfloat16) for a in args[:3]]
+    assert native.TARGETS["bfloat16"][0] in jax.jit(lambda *a: _decode(NATIVE, *a, 0.2)).lower(*bf, *args[3:]).as_text()
+    NATIVE.check(AttentionSpec(0.2), "bfloat16")
+    with pytest.raises(ValueError, match="'native'.*dtype float32 or bfloat16, got 'float16'"):
+        NATIVE.check(AttentionSpec(0.2), "float16")
     with pytest.raises(ValueError, match="float32 or bfloat16"):
         native.paged_decode(args[0], args[1].astype(jnp.bfloat16), args[2], *args[3:], 0.2)
 
@@ -151,16 +158,19 @@ def test_engine_greedy_tokens_same_with_and_without_native(tiny_llama_dir, monke
     prompts = [rng.integers(3, 200, int(n)).tolist() for n in rng.integers(2, 40, 12)]
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
 
-    def run():
-        llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=4, seed=0)
-        return [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
+    def run(**kw):
+        llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=4, seed=0, **kw)
+        toks = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
                                                              use_tqdm=False)]
+        return toks, llm.llm_engine.get_stats()["attention_backend"]
 
-    with_native = run()
-    monkeypatch.setattr(native, "supports", lambda *operands: False)
-    assert run() == with_native  # native matmuls, jnp decode attention
+    with_native, name = run()
+    assert name == "native"  # the default ("auto") on a CPU where the kernel builds
+    assert run(attention_backend="reference") == (with_native, "reference")  # native matmuls, jnp attention
     monkeypatch.setattr(native, "available", lambda: False)
-    assert run() == with_native  # XLA only: unpacked weights, XLA matmuls
+    assert run() == (with_native, "reference")  # XLA only: unpacked weights, XLA matmuls, jnp attention
+    with pytest.raises(ValueError, match="attention_backend='native' cannot run this model: the native library"):
+        run(attention_backend="native")
 
 
 def test_failed_build_falls_back_to_jnp(tmp_path, monkeypatch, caplog):

@@ -13,9 +13,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from paged_jax.attention import get_backend
+from paged_jax.attention import AttentionMetadata, AttentionSpec, get_backend, select_backend
 from paged_jax.attention.reference import paged_attention_reference
-from pallas_kernels.backend import _auto_partition, paged_attention_pallas_interpret, register
+from pallas_kernels.backend import PALLAS, PALLAS_INTERPRET, _auto_partition
 from pallas_kernels.paged_attention import paged_decode_attention
 from pallas_kernels.prefill_attention import paged_prefill_attention
 
@@ -267,29 +267,44 @@ def test_prefill_rejects_bad_shapes():
 # ---- the backends --------------------------------------------------------------------------------
 
 
+def attention_meta(tables, lens, qlens):
+    """The step metadata a backend reads (block tables and lengths; the token maps are the layer's)."""
+    return AttentionMetadata(slot_mapping=None, token_seq=None, token_qidx=None, block_tables=jnp.asarray(tables),
+                             context_lens=jnp.asarray(lens), query_lens=jnp.asarray(qlens))
+
+
+def run_backend(backend, q, k, v, tables, lens, qlens, spec):
+    """q [S, Q, H, D] through ``backend``: decode when Q == 1 (as the layer dispatches), else prefill."""
+    meta = attention_meta(tables, lens, qlens)
+    if q.shape[1] == 1:
+        return backend.decode(q[:, 0], k, v, meta, spec)[:, None]
+    return backend.prefill(q, k, v, meta, spec)
+
+
 def test_backends_are_registered_and_pallas_needs_a_gpu():
-    register()
-    assert get_backend("pallas-interpret") is paged_attention_pallas_interpret
+    assert get_backend("pallas-interpret") is PALLAS_INTERPRET and get_backend("pallas") is PALLAS
+    select_backend("pallas-interpret", [AttentionSpec(0.1, sliding_window=8, logit_soft_cap=30.0)], "float16")
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="needs a CUDA GPU.*'pallas-interpret'.*'reference'"):
-            get_backend("pallas")
-    with pytest.raises(ValueError, match="attention_backend must be one of .*'pallas-interpret'.*got 'palas'"):
+            select_backend("pallas", [AttentionSpec(0.1)], "bfloat16")
+    with pytest.raises(ValueError, match="attention_backend must be 'auto' or one of .*'pallas-interpret'.*got 'palas'"):
         get_backend("palas")
+    with pytest.raises(ValueError, match="'pallas-interpret' takes dtype float32 / bfloat16 / float16, got 'int8'"):
+        select_backend("pallas-interpret", [AttentionSpec(0.1)], "int8")
 
 
-def test_backend_dispatches_statically():
-    """Q == 1 runs the decode kernel, Q > 1 the prefill kernel (no reference fallback); both match the reference."""
-    backend = jax.jit(paged_attention_pallas_interpret, static_argnums=6)
+def test_backend_entry_points_run_one_kernel_each():
+    """decode runs the decode kernel, prefill the prefill kernel (no jnp attention); both match the reference."""
     for Q, qlens in [(1, [1, 1]), (4, [3, 1])]:
         q, k, v, tables, lens = make_case(1, lens=[5, 12], H=4, KVH=2, D=16, block_size=8, max_blocks=2,
                                           num_blocks=6, Q=Q)
         qlens = np.array(qlens, np.int32)
-        jaxpr = str(jax.make_jaxpr(paged_attention_pallas_interpret, static_argnums=6)(q, k, v, tables, lens, qlens,
-                                                                                      0.25))
+        f = lambda *a: run_backend(PALLAS_INTERPRET, *a, AttentionSpec(0.25))
+        jaxpr = str(jax.make_jaxpr(f)(q, k, v, tables, lens, qlens))
         kernel = "paged_decode_attention" if Q == 1 else "paged_prefill_attention"
         assert kernel in jaxpr and jaxpr.count("pallas_call") == 1
         assert "dot_general" not in jaxpr.split("pallas_call")[0], "no jnp attention outside the kernel"
-        got = np.asarray(backend(q, k, v, tables, lens, qlens, 0.25))
+        got = np.asarray(jax.jit(f)(q, k, v, tables, lens, qlens))
         want = reference_prefill_f32(q, k, v, tables, lens, qlens, 0.25)
         for s, n in enumerate(qlens):
             np.testing.assert_allclose(got[s, :n], want[s, :n], atol=1e-5)
@@ -308,10 +323,10 @@ def test_backend_splits_long_contexts():
     tables = jnp.asarray(rng.integers(1, nb, size=(2, mb)), jnp.int32)
     lens = jnp.asarray([528, 515], jnp.int32)
     qlens = jnp.ones(2, jnp.int32)
-    backend = paged_attention_pallas_interpret
-    jaxpr = str(jax.make_jaxpr(backend, static_argnums=6)(q, k, v, tables, lens, qlens, 0.25))
+    backend = lambda *a: run_backend(PALLAS_INTERPRET, *a, AttentionSpec(0.25))
+    jaxpr = str(jax.make_jaxpr(backend)(q, k, v, tables, lens, qlens))
     assert "f32[2,1,2,16,16]" in jaxpr  # partial outputs [S, KVH, partitions, Gp, D]
-    got = jax.jit(backend, static_argnums=6)(q, k, v, tables, lens, qlens, 0.25)
+    got = jax.jit(backend)(q, k, v, tables, lens, qlens)
     want = paged_attention_reference(q, k, v, tables, lens, qlens, 0.25)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5)
 
@@ -349,14 +364,14 @@ def test_prefill_lowers_for_cuda_with_triton(dtype, D, block_size, G, Q, mb):
     assert "__gpu$xla.gpu.triton" in text and "paged_prefill_attention" in text
 
 
-def test_pallas_backend_lowers_for_cuda_in_both_modes():
-    """The "pallas" backend body (interpret=False) lowers for CUDA for decode and for prefill steps."""
-    from pallas_kernels.backend import paged_attention_pallas
-
+@pytest.mark.parametrize("spec", [AttentionSpec(0.125), AttentionSpec(0.125, sliding_window=40, logit_soft_cap=20.0)],
+                         ids=["plain", "window_softcap"])
+def test_pallas_backend_lowers_for_cuda_in_both_modes(spec):
+    """The "pallas" backend (interpret=False) lowers for CUDA for decode and for prefill steps."""
     for Q in (1, 16):
         args = (sds((4, Q, 8, 64), "bfloat16"), sds((32, 16, 2, 64), "bfloat16"), sds((32, 16, 2, 64), "bfloat16"),
                 sds((4, 8), jnp.int32), sds((4,), jnp.int32), sds((4,), jnp.int32))
-        text = lower_for_cuda(lambda *a: paged_attention_pallas(*a, 0.125), *args)
+        text = lower_for_cuda(lambda *a: run_backend(PALLAS, *a, spec), *args)
         assert text.count("__gpu$xla.gpu.triton") >= 1
 
 
