@@ -1,0 +1,66 @@
+"""The engine's whole jitted step lowers for CUDA with the "pallas" backend, for every model family
+(iterating the registry, so a family added later is covered) in float16 and bfloat16.
+
+The step is the runner's own (``make_step``) with the backend object taken from the registry
+unchecked: "pallas" refuses to *run* without a GPU, but lowering needs none. Lowering does not
+prove the kernels compile on a GPU (Triton IR becomes GPU code inside XLA's GPU compiler)."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from paged_jax.attention import get_backend
+from paged_jax.executor.batch import Batch
+from paged_jax.executor.model_runner import make_step
+from paged_jax.models import FAMILIES
+
+BLOCK_SIZE = 16
+SHAPES = {"decode": (8, 8, 4, 1), "prefill": (32, 2, 4, 16)}  # Batch.shape_key: (T, S, B, Q)
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    from paged_jax.models.tiny import make_tiny_model
+
+    cache = {}
+
+    def get(family):
+        if family not in cache:
+            cache[family] = make_tiny_model(tmp_path_factory.mktemp(f"tiny-{family}"), family=family, seed=0)
+        return cache[family]
+
+    return get
+
+
+def abstract(tree):
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), tree)
+
+
+def lower_step(config, params, kv_caches, kind: str) -> str:
+    """The runner's step for ``config`` with the "pallas" backend, lowered for CUDA at a ``kind`` shape."""
+    step = jax.jit(make_step(config, get_backend("pallas")), static_argnums=(3,), donate_argnums=(1,))
+    return step.trace(abstract(params), kv_caches, Batch.abstract(SHAPES[kind]), kind == "prefill").lower(
+        lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_step_lowers_for_cuda_with_the_pallas_backend(family, dtype, tiny_dirs):
+    from paged_jax.models.loader import load_model
+
+    config, params = load_model(tiny_dirs(family), dtype=dtype)
+    cache = jax.ShapeDtypeStruct((24, BLOCK_SIZE, config.num_kv_heads, config.head_dim), jnp.dtype(dtype))
+    kv_caches = [(cache, cache)] * config.num_layers
+    # The family as it is, and with a sliding window and a logit soft-cap in its config.
+    variant = dataclasses.replace(config, sliding_window=8, attn_logit_softcap=30.0)
+    for cfg, kind in itertools.product((config, variant), SHAPES):
+        text = lower_step(cfg, params, kv_caches, kind)
+        kernel = "paged_prefill_attention" if kind == "prefill" else "paged_decode_attention"
+        # Every layer calls the step's kernel (one jitted function, lowered once), a Triton call; no CPU kernel.
+        assert text.count(f"call @{kernel}(") == config.num_layers, (family, kind)
+        assert "__gpu$xla.gpu.triton" in text and "paged_jax_paged_decode" not in text, (family, kind)
