@@ -87,10 +87,13 @@ def variants(on_gpu: bool, scale: float, dtype: str):
     if on_gpu:
         from jax.experimental.pallas.ops.gpu import decode_attention
 
-        from pallas_kernels.backend import paged_attention_pallas
+        from paged_jax.attention import AttentionMetadata, AttentionSpec
+        from pallas_kernels.backend import PALLAS
 
         def pallas_paged(q, k_pool, v_pool, tables, lens):
-            return paged_attention_pallas(q[:, None], k_pool, v_pool, tables, lens, jnp.ones_like(lens), scale)[:, 0]
+            meta = AttentionMetadata(slot_mapping=None, token_seq=None, token_qidx=None, block_tables=tables,
+                                     context_lens=lens, query_lens=jnp.ones_like(lens))
+            return PALLAS.decode(q, k_pool, v_pool, meta, AttentionSpec(scale))
 
         def pallas_contiguous(q, k, v, lens):
             L = k.shape[1]
