@@ -19,6 +19,10 @@ program writes its unnormalised output, running max and running sum; a few jnp
 ops merge the partitions (flash-decoding / vLLM PagedAttention V2). With
 ``partition_size=None`` there is a single partition (PagedAttention V1).
 
+Variants (static arguments): ``logit_soft_cap`` caps the scaled scores with
+``cap * tanh(s / cap)``; ``sliding_window`` hides keys more than ``window - 1`` positions
+back, and the loop starts at the first chunk holding a visible key.
+
 On CPU the kernel runs in interpret mode; on GPU it is lowered with the Triton
 backend (``jax.experimental.pallas.triton.CompilerParams``), because in JAX 0.10
 ``pallas_call`` without compiler params would pick Mosaic GPU.

@@ -14,7 +14,9 @@ is loaded once for the group (GQA/MQA) and both products are ``[R, *]`` matmuls 
 ``pages_per_chunk`` pages at a time, only up to the last position its queries may see
 (the causal bound), gathers those pages of K and V with ``k_ref[page_ids]``, masks
 ``k_pos > q_pos`` and ``k_pos >= C`` and updates an online softmax in float32. Tiles past
-``Q`` run no loop at all, and padded batch rows (``C = Q = 0``) give zeros.
+``Q`` run no loop at all, and padded batch rows (``C = Q = 0``) give zeros. With a
+``sliding_window`` the walk starts at the first chunk a tile's first query may see, and
+``logit_soft_cap`` caps the scores (both shared with the decode kernel).
 """
 
 from __future__ import annotations
