@@ -65,3 +65,18 @@ def test_a_windowed_soft_capped_model_pallas_matches_reference(tiny_llama_dir):
                          for s, t in zip(seqs, tables[name])] for name in runners}
     with pytest.raises(ValueError, match="'native' cannot run this model"):
         PagedRunner(windowed, params, block_size=4, num_blocks=8, backend="native")
+
+
+def test_pallas_backends_import_without_the_attention_package():
+    """No import cycle: pallas_kernels.backend stands alone; paged_jax.attention imports it, not the reverse."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parent.parent)
+    code = ("import sys, pallas_kernels.backend as b; "
+            "assert not any(m.startswith('paged_jax.attention') for m in sys.modules), sorted(sys.modules); "
+            "import paged_jax.attention as a; assert a.get_backend('pallas') is b.PALLAS")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=root,
+                   env={**os.environ, "PYTHONPATH": root, "JAX_PLATFORMS": "cpu"})
