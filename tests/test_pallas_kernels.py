@@ -287,7 +287,7 @@ def test_backends_are_registered_and_pallas_needs_a_gpu():
     if jax.default_backend() != "gpu":
         with pytest.raises(ValueError, match="needs a CUDA GPU.*'pallas-interpret'.*'reference'"):
             select_backend("pallas", [AttentionSpec(0.1)], "bfloat16")
-    with pytest.raises(ValueError, match="attention_backend must be 'auto' or one of .*'pallas-interpret'.*got 'palas'"):
+    with pytest.raises(ValueError, match="must be 'auto' or one of .*'pallas-interpret'.*got 'palas'"):
         get_backend("palas")
     with pytest.raises(ValueError, match="'pallas-interpret' takes dtype float32 / bfloat16 / float16, got 'int8'"):
         select_backend("pallas-interpret", [AttentionSpec(0.1)], "int8")

@@ -26,7 +26,7 @@ def array_field(*dims: str):
 @dataclass(frozen=True, kw_only=True)
 class AttentionMetadata:
     # Per token [T]
-    slot_mapping: jax.Array = array_field("T")  # block * block_size + offset where the token's K/V go (null block for padding)
+    slot_mapping: jax.Array = array_field("T")  # block * block_size + offset of the token's K/V (null block: padding)
     token_seq: jax.Array = array_field("T")  # row of the token's sequence in block_tables (S for padding: dropped)
     token_qidx: jax.Array = array_field("T")  # index of the token among its sequence's new tokens
     # Per sequence [S]

@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax.attention import select_backend
+from paged_jax.attention import AUTO, select_backend
 from paged_jax.executor.batch import Batch, SeqChunk, bucket, prepare_part, split_chunks, warmup_shapes
 from paged_jax.memory import cache_ops
 from paged_jax.models import compute_logits, forward
@@ -29,6 +29,7 @@ from paged_jax.scheduler import SchedulerOutput
 from paged_jax.utils import pow2_bucket
 
 logger = logging.getLogger("paged_jax")
+
 
 @dataclass
 class Sample:
@@ -113,15 +114,17 @@ class ModelRunner:
                  attention_backend: str = "auto", seed: int = 0, mesh=None):
         """``attention_backend``: a registered backend's name, checked against every layer's
         :class:`AttentionSpec` and the dtype (ValueError if it refuses), or ``"auto"`` (see
-        :func:`select_backend`). ``mesh``: tensor parallelism (``paged_jax.parallel``): params
-        already sharded on it, the KV cache split over KV heads, the attention backend run per
-        device in shard_map."""
+        :func:`select_backend`; the reference under tensor parallelism). ``mesh``: tensor
+        parallelism (``paged_jax.parallel``): params already sharded on it, the KV cache split
+        over KV heads, the attention backend run per device in shard_map."""
         if mesh is None and jax.default_backend() == "cpu":
             from paged_jax import native
 
             if native.packs_weights():  # float32 linear weights in column panels for the native matmul
                 params = native.pack_params(params)
         self.config, self.params, self.block_size = config, params, block_size
+        if mesh is not None and attention_backend == AUTO:
+            attention_backend = "reference"  # the native kernel inside shard_map is untested
         self.attn = select_backend(attention_backend, [config.attention_spec(i) for i in range(config.num_layers)],
                                    config.dtype)
         self.attention_backend = self.attn.name
