@@ -63,6 +63,6 @@ def _register_pallas() -> None:
 
 _register_pallas()
 
-__all__ = ["AUTO", "AttentionMetadata", "AttentionSpec", "NativeBackend", "ReferenceBackend", "available_backends",
-           "get_backend", "paged_attention_layer", "paged_attention_reference", "paged_decode_attention",
+__all__ = ["AUTO", "NATIVE", "REFERENCE", "AttentionMetadata", "AttentionSpec", "NativeBackend", "ReferenceBackend",
+           "available_backends", "get_backend", "paged_attention_layer", "paged_attention_reference", "paged_decode_attention",
            "register_backend", "select_backend", "soft_cap_mod", "window_mask_mod", "write_kv"]
