@@ -105,3 +105,22 @@ def test_no_compilation_after_warm_up(gpt2_dir):
     assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in ref]
     assert all(len(o.outputs[0].token_ids) == min(p.max_tokens, CONFIG["max_model_len"] - len(t))
                for o, p, t in zip(outs, params, prompts))
+
+
+def test_abstract_batch_is_the_real_batch_without_values():
+    """Warm-up compiles against ``Batch.abstract(shape_key)``: the same pytree (treedef, static
+    max_query_len) with each leaf's shape and dtype, for every batch prepare_part makes."""
+    import jax
+
+    from paged_jax.executor.batch import Batch
+
+    rng = np.random.default_rng(1)
+    for _ in range(50):
+        chunks = _random_step(rng, **CONFIG)
+        for q, part in split_chunks(chunks):
+            batch = prepare_part([chunks[i] for i in part], q, CONFIG["block_size"])
+            abstract = Batch.abstract(batch.shape_key)
+            assert jax.tree.structure(abstract) == jax.tree.structure(batch)
+            assert [(x.shape, x.dtype) for x in jax.tree.leaves(abstract)] == \
+                [(x.shape, x.dtype) for x in jax.tree.leaves(batch)]
+            assert batch.num_seqs == len(part) and batch.num_tokens == sum(len(chunks[i].token_ids) for i in part)
