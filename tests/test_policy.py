@@ -84,12 +84,30 @@ def test_priority_policy_serves_and_preempts_by_priority():
     assert [r.group.request_id for r in run_to_end(s)[-1].scheduled] == ["low"]
 
 
-def test_fcfs_preempts_the_newest_in_the_same_setting():
-    s = make(num_blocks=7, policy=FCFS(), preemption_mode="recompute")
-    for rid in ("low", "high", "mid"):
+class PreemptOldest(SchedulingPolicy):
+    def choose_victim(self, candidates):
+        return candidates[0]
+
+
+class ServeNewestFirst(SchedulingPolicy):
+    def order_running(self, running):
+        return running[::-1]
+
+
+@pytest.mark.parametrize("policy,served,preempted", [
+    (FCFS(), ["a", "b"], ["c"]),  # a served first, preempts the newest (c)
+    (PreemptOldest(), ["a", "c"], ["b"]),  # a served first, preempts the oldest of the others (b)
+    (ServeNewestFirst(), ["c", "b"], ["a"]),  # c served first, preempts the last of its order (a)
+])
+def test_service_order_and_victim_are_the_policy_s(policy, served, preempted):
+    # The setting above: 6 blocks, all held, each of a, b, c needs one more.
+    s = make(num_blocks=7, policy=policy, preemption_mode="recompute")
+    for rid in ("a", "b", "c"):
         s.add_seq_group(group(rid, 8, max_tokens=6))
     advance(s, s.schedule())
-    assert [g.request_id for g, _ in s.schedule().preempted] == ["mid"]
+    out = s.schedule()
+    assert [r.group.request_id for r in out.scheduled] == served
+    assert [g.request_id for g, _ in out.preempted] == preempted
 
 
 def test_static_admission_hook_holds_new_requests_until_the_batch_ends():
