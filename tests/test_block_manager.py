@@ -97,7 +97,7 @@ def test_allocate_diverged_siblings_share_common_full_blocks():
     for seq, out in zip(group.seqs, ([1, 2, 3], [1, 2, 4], [1, 2, 3], [5])):
         seq.output_token_ids.extend(out)
     # Blocks: [10..13] [14..17] [18,1,2,3|4] / [18,5]; seqs 0 and 2 are identical.
-    assert bm._num_new_blocks(group.seqs) == 2 + 1 + 1 + 1
+    assert bm.plan_allocation(group).num_blocks_taken == 2 + 1 + 1 + 1
     assert bm.can_allocate(group) is AllocStatus.OK
     bm.allocate(group)
     tables = [bm.get_block_table(s) for s in group.seqs]
@@ -122,7 +122,7 @@ def test_recomputed_siblings_count_each_cached_block_once():
     group = make_group(prompt, n=2)
     group.seqs[0].output_token_ids.extend([1, 2, 3])
     group.seqs[1].output_token_ids.extend([4, 5, 6])
-    assert bm._num_new_blocks(group.seqs) == 4 + 2  # the 4 cached blocks once, one tail block each
+    assert bm.plan_allocation(group).num_blocks_taken == 4 + 2  # the 4 cached blocks once, one tail block each
     assert bm.get_num_free_gpu_blocks() == 7 and bm.can_allocate(group) is AllocStatus.OK
     bm.allocate(group)
     assert bm.get_num_free_gpu_blocks() == 1
