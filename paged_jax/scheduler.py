@@ -227,7 +227,7 @@ class Scheduler:
             reserve = self.reservation(group).allocated
             # A request that wants every prompt token's logprobs must compute every prompt token.
             use_prefix_cache = group.sampling_params.prompt_logprobs is None
-            status = self.block_manager.can_allocate(group, reserve)
+            status = self.block_manager.can_allocate(group, reserve, use_prefix_cache)
             if status is AllocStatus.NEVER:
                 self._reject(group, f"prompt of {seq.get_len()} tokens can never fit in the KV cache "
                                     f"({self.block_manager.gpu_allocator.num_total_blocks} blocks of "

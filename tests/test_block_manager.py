@@ -130,6 +130,21 @@ def test_recomputed_siblings_count_each_cached_block_once():
     bm.check_invariants()
 
 
+def test_can_allocate_counts_what_allocate_takes_without_the_prefix_cache():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=0, watermark=0.0, enable_prefix_caching=True)
+    prompt = list(range(10, 26))  # 4 full blocks, computed and registered, still in use
+    admit(bm, prompt)
+    group = make_group(prompt + [99])  # 5 blocks, the first 4 in the cache
+    assert bm.get_num_free_gpu_blocks() == 3
+    assert bm.plan_allocation(group).num_blocks_taken == 1
+    assert bm.can_allocate(group) is AllocStatus.OK
+    assert bm.plan_allocation(group, use_prefix_cache=False).num_blocks_taken == 5
+    assert bm.can_allocate(group, use_prefix_cache=False) is AllocStatus.LATER
+    with pytest.raises(NoFreeBlocksError, match="allocate needs 5 free blocks in the gpu pool, 3 are free"):
+        bm.allocate(group, use_prefix_cache=False)
+    bm.check_invariants()
+
+
 def test_allocate_errors_leave_state_unchanged():
     bm = BlockManager(block_size=4, num_gpu_blocks=3, num_cpu_blocks=0, watermark=0.0)
     with pytest.raises(NoFreeBlocksError, match="allocate needs 3 free blocks in the gpu pool, 2 are free"):
