@@ -1,22 +1,23 @@
-"""Iteration-level (continuous) batching, first come first served, with preemption.
+"""Iteration-level (continuous) batching with preemption.
 
 Each call to :meth:`Scheduler.schedule` decides one iteration: which sequences
 run and how many of their tokens, which blocks move between device and host,
-and which blocks are copied. Running requests go first (oldest first); when
-their next tokens need blocks that are not there, the newest running requests
-are preempted (recompute: drop their blocks and rerun them later; swap: move
-their blocks to host memory). Swapped requests come back before any new prompt
-is admitted. With chunked prefill, prompts are split so that one iteration
-never runs more than ``max_num_batched_tokens`` tokens, and a long prompt shares
-iterations with running decodes instead of stalling them.
-
-Plain Python: the same scheduler drives the real engine and the simulator.
+and which blocks are copied. Running requests go first; when their next tokens
+need blocks that are not there, running requests are preempted (recompute: drop
+their blocks and rerun them later; swap: move their blocks to host memory).
+Swapped requests come back before any new prompt is admitted. With chunked
+prefill, prompts are split so that one iteration never runs more than
+``max_num_batched_tokens`` tokens, and a long prompt shares iterations with
+running decodes instead of stalling them.
 
 Which request is admitted next, the order running requests are served in, which
 one is preempted, and whether a request reserves KV space at admission are the
-*policy*'s (:mod:`paged_jax.policy`): first come first served by default; the
-paper's baselines (Orca's reservations, FasterTransformer's static batching) are
-policies beside it, given as ``SchedulerConfig(policy=...)``.
+*policy*'s (:mod:`paged_jax.policy`, given as ``SchedulerConfig(policy=...)``):
+first come first served by default (oldest served first, newest preempted
+first); the paper's baselines (Orca's reservations, FasterTransformer's static
+batching) are policies beside it.
+
+Plain Python: the same scheduler drives the real engine and the simulator.
 """
 
 from __future__ import annotations
@@ -240,12 +241,7 @@ class Scheduler:
                 self._reject(group, f"prompt of {seq.get_len()} tokens does not fit in the KV cache "
                                     "left free by pinned prefixes", out)
                 continue
-            if self.config.enable_chunked_prefill:
-                if budget.tokens <= 0:
-                    return
-            # Without chunking the whole prompt must fit this step's token budget (an upper
-            # bound: a prefix-cache hit, found only at allocation, runs fewer tokens).
-            elif self._prefill_tokens(group, seq) > budget.tokens and out.scheduled:
+            if not self._prompt_fits(group, seq, budget.tokens, out):
                 return
             _take(self.waiting, group, "next_waiting")
             self.block_manager.allocate(group, use_prefix_cache=use_prefix_cache, reserve_tokens=reserve)
@@ -283,12 +279,18 @@ class Scheduler:
             used += n
         return used
 
-    @staticmethod
-    def _prefill_tokens(group: SequenceGroup, seq: Sequence) -> int:
-        """Tokens a waiting group must run in its first step (all of a recomputed beam group's beams)."""
+    def _prompt_fits(self, group: SequenceGroup, seq: Sequence, tokens_left: int, out: SchedulerOutput) -> bool:
+        """Whether a waiting group's prompt can start this step: with chunked prefill, if
+        any token budget is left; without, if all of it fits (all of a recomputed beam
+        group's beams; an upper bound, as a prefix-cache hit runs fewer tokens) or if
+        nothing else runs."""
+        if self.config.enable_chunked_prefill:
+            return tokens_left > 0
         if group.beam is None:
-            return seq.get_len()
-        return sum(s.get_len() for s in group.get_seqs(SequenceStatus.WAITING))
+            num_tokens = seq.get_len()
+        else:
+            num_tokens = sum(s.get_len() for s in group.get_seqs(SequenceStatus.WAITING))
+        return num_tokens <= tokens_left or not out.scheduled
 
     def _reject_reason(self, group: SequenceGroup, seq: Sequence) -> Optional[str]:
         best_of = group.sampling_params.best_of
