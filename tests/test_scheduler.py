@@ -157,3 +157,10 @@ def test_a_request_skipping_the_prefix_cache_waits_until_all_its_blocks_fit():
     advance(s, out)
     rows = [r for out in run_to_end(s) for r in out.scheduled if r.group is second]
     assert rows[0].num_tokens == 17  # every prompt token computed (a cache hit would leave 1)
+
+
+def test_a_request_carries_real_sampling_params():
+    seq = Sequence(next(_ids), [1, 2, 3])
+    assert SequenceGroup("default", [seq]).sampling_params == SamplingParams()
+    with pytest.raises(TypeError, match="request 'bad': sampling_params must be a SamplingParams, got dict"):
+        SequenceGroup("bad", [seq], {"max_tokens": 3})
