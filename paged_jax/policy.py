@@ -14,6 +14,8 @@ preemption, swapping); a policy answers its questions:
   admission (none: blocks are allocated on demand as it grows).
 - ``admission_open(running)``: whether new requests may be admitted this iteration.
 
+Swapped-out requests come back oldest first (by arrival time) under every policy.
+
 :class:`FCFS` (vLLM's policy) is the default. The paper's baselines (Sec. 6.1),
 used by the simulator in ``experiments/``, are policies beside it:
 :class:`Orca` reserves each request's KV space at admission, and
@@ -52,9 +54,10 @@ NO_RESERVATION = Reservation(0, 0)
 
 class SchedulingPolicy:
     """The scheduler's questions, answered first come first served with KV blocks on
-    demand (vLLM): waiting requests are admitted in arrival order, running ones are
-    served oldest first, and the newest running request is preempted first.
-    Subclasses override what they change."""
+    demand (vLLM): waiting requests are admitted in queue order (arrival order, with
+    requests preempted by recompute put back in front), running ones are served in
+    the order they started, and the last of them is preempted first. Subclasses
+    override what they change."""
 
     def next_waiting(self, waiting: Sequence[SequenceGroup]) -> SequenceGroup:
         return waiting[0]

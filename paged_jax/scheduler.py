@@ -116,7 +116,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config = config
         self.block_manager = block_manager
-        self.policy = config.policy
+        self.policy = config.policy  # replaceable between steps (the throughput benchmark does)
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()
