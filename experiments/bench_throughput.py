@@ -10,7 +10,7 @@ does not depend on how many there are), Hugging Face static batches (left paddin
 order, each batch size of ``--hf-batch-sizes``; the best is kept), paged-jax with contiguous
 Orca(Max)-style reservation and paged-jax itself, and prints our throughput over each.
 
-Orca(Max) is our own engine with the scheduler's ``kv_reservation="max"`` option (the one the
+Orca(Max) is our own engine with the scheduling policy ``Orca("max")`` (the one the
 simulator's baselines use): every admitted request reserves ``max_model_len`` slots of contiguous
 blocks up front, so at most ``usable_kv_slots // max_model_len`` requests run at once. A
 reservation holds one sequence: with ``--n`` > 1 the Orca row is left out.
@@ -24,6 +24,8 @@ import sys
 
 from bench_common import (add_request_args, describe_requests, format_summary, gpt2_124m_model, load_hf,
                           make_llm, make_requests, max_len, run_hf, run_paged_jax, summarize)
+
+from paged_jax.policy import FCFS, Orca  # after bench_common, which puts this checkout on the path
 
 
 def report_engine(res: dict) -> str:
@@ -62,9 +64,9 @@ def compare(a, model: str, requests) -> dict:
     usable = engine.block_manager.gpu_allocator.num_total_blocks * a.block_size
     full = engine.scheduler_config.max_num_seqs
     if a.n == 1:
-        engine.scheduler_config.kv_reservation = "max"
+        engine.scheduler.policy = Orca("max")
         res = run_paged_jax(llm, a, requests)
-        engine.scheduler_config.kv_reservation = None
+        engine.scheduler.policy = FCFS()
         rows["paged-jax with Orca(Max) reservation"] = summarize(requests, res, a.n)
         print(format_summary(f"paged-jax, Orca(Max): {usable} KV slots, max_model_len {mml} reserved per request "
                              f"(at most {usable // mml} at once)", summarize(requests, res, a.n)))

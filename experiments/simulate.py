@@ -1,7 +1,7 @@
 """Run a request trace through the real engine with the simulated executor.
 
-The systems compared in the paper are configurations of the ONE scheduler and
-block manager (see :mod:`paged_jax.scheduler`):
+The systems compared in the paper are scheduling policies of the ONE scheduler
+and block manager (see :mod:`paged_jax.policy`):
 
 - ``vllm``: paged KV cache, blocks allocated on demand, the paged attention kernel.
 - ``orca-max`` / ``orca-pow2`` / ``orca-oracle``: KV space reserved at admission
@@ -28,6 +28,7 @@ import numpy as np
 from paged_jax.engine import LLMEngine
 from paged_jax.memory.block_manager import BlockManager
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.policy import FCFS, FasterTransformer, Orca
 from paged_jax.scheduler import SchedulerConfig
 from paged_jax.sequence import SequenceStatus
 
@@ -38,12 +39,12 @@ from experiments.workloads import Request
 
 logging.getLogger("paged_jax").setLevel(logging.ERROR)  # preemption warnings are expected here
 
-SYSTEMS = {
-    "vllm": {},
-    "orca-oracle": {"kv_reservation": "oracle", "buddy_allocator": True},
-    "orca-pow2": {"kv_reservation": "pow2", "buddy_allocator": True},
-    "orca-max": {"kv_reservation": "max", "buddy_allocator": True},
-    "ft": {"kv_reservation": "max", "buddy_allocator": True, "static_batching": True},
+SYSTEMS = {  # each system's scheduling policy (policies hold no state: one instance serves every run)
+    "vllm": FCFS(),
+    "orca-oracle": Orca("oracle", buddy_allocator=True),
+    "orca-pow2": Orca("pow2", buddy_allocator=True),
+    "orca-max": Orca("max", buddy_allocator=True),
+    "ft": FasterTransformer("max", buddy_allocator=True),
 }
 LABELS = {"vllm": "vLLM (paged-jax)", "orca-oracle": "Orca (Oracle)", "orca-pow2": "Orca (Pow2)",
           "orca-max": "Orca (Max)", "ft": "FasterTransformer"}
@@ -81,7 +82,8 @@ def build_engine(setup: Setup, system: str, block_size: int = 16, preemption_mod
                  ) -> tuple[LLMEngine, SimulatedExecutor, SimClock]:
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; choose one of {sorted(SYSTEMS)}")
-    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, preemption_mode, **SYSTEMS[system])
+    config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, preemption_mode,
+                             policy=SYSTEMS[system])
     bm = BlockManager(block_size, setup.num_gpu_blocks(block_size), setup.num_cpu_blocks(block_size))
     clock = SimClock()
     executor = SimulatedExecutor(CostModel(setup, block_size, paged=system == "vllm", params=cost_params), clock,
@@ -107,7 +109,7 @@ def run_trace(setup: Setup, system: str, requests: list[Request], rate: float = 
     engine's beam search over the executor's synthetic candidates (``beam_gap``, see
     :mod:`experiments.sim_executor`) where blocks are shared."""
     engine, executor, clock = build_engine(setup, system, beam_gap=beam_gap, **engine_kwargs)
-    expand = SYSTEMS[system].get("kv_reservation") is not None  # no sharing: one request per sample
+    expand = isinstance(SYSTEMS[system], Orca)  # reservations share nothing: one request per sample
     if any(r.prefix_len for r in requests) and system == "vllm":
         _pin_prefix(engine, requests[0], setup.model.vocab_size)
     t0 = time.perf_counter()
@@ -116,7 +118,7 @@ def run_trace(setup: Setup, system: str, requests: list[Request], rate: float = 
     arrival: dict[str, float] = {}
     finish: dict[str, float] = {}
     # Static batching returns a batch's outputs together, when its last request ends.
-    static = SYSTEMS[system].get("static_batching", False)
+    static = isinstance(SYSTEMS[system], FasterTransformer)
     batch_done: list[str] = []
     samples: list[dict] = []
     ignored = 0

@@ -1,25 +1,23 @@
-"""Iteration-level (continuous) batching, first come first served, with preemption.
+"""Iteration-level (continuous) batching with preemption.
 
 Each call to :meth:`Scheduler.schedule` decides one iteration: which sequences
 run and how many of their tokens, which blocks move between device and host,
-and which blocks are copied. Running requests go first (oldest first); when
-their next tokens need blocks that are not there, the newest running requests
-are preempted (recompute: drop their blocks and rerun them later; swap: move
-their blocks to host memory). Swapped requests come back before any new prompt
-is admitted. With chunked prefill, prompts are split so that one iteration
-never runs more than ``max_num_batched_tokens`` tokens, and a long prompt shares
-iterations with running decodes instead of stalling them.
+and which blocks are copied. Running requests go first; when their next tokens
+need blocks that are not there, running requests are preempted (recompute: drop
+their blocks and rerun them later; swap: move their blocks to host memory).
+Swapped requests come back before any new prompt is admitted. With chunked
+prefill, prompts are split so that one iteration never runs more than
+``max_num_batched_tokens`` tokens, and a long prompt shares iterations with
+running decodes instead of stalling them.
+
+Which request is admitted next, the order running requests are served in, which
+one is preempted, and whether a request reserves KV space at admission are the
+*policy*'s (:mod:`paged_jax.policy`, given as ``SchedulerConfig(policy=...)``):
+first come first served by default (oldest served first, newest preempted
+first); the paper's baselines (Orca's reservations, FasterTransformer's static
+batching) are policies beside it.
 
 Plain Python: the same scheduler drives the real engine and the simulator.
-
-Two options turn it into the paper's baselines (Sec. 6.1), for the simulator's
-experiments: ``kv_reservation`` reserves each request's KV space at admission
-(Orca: ``"max"`` the maximum length, ``"pow2"`` the prompt plus the next power of
-two of the true output length, ``"oracle"`` the prompt plus the true output
-length, taken from ``max_tokens``), with ``buddy_allocator`` rounding each
-reservation up to a power of two as a buddy allocator does; ``static_batching``
-admits a new batch only once every request of the last one has finished
-(FasterTransformer).
 """
 
 from __future__ import annotations
@@ -31,8 +29,8 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from paged_jax.memory.block_manager import AllocStatus, BlockManager
+from paged_jax.policy import FCFS, Reservation, SchedulingPolicy
 from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
-from paged_jax.utils import pow2_bucket
 
 logger = logging.getLogger("paged_jax")
 
@@ -42,9 +40,6 @@ class PreemptionMode(enum.Enum):
     SWAP = "swap"
 
 
-RESERVATIONS = (None, "max", "pow2", "oracle")
-
-
 @dataclass
 class SchedulerConfig:
     max_num_seqs: int = 256
@@ -52,9 +47,7 @@ class SchedulerConfig:
     max_model_len: int = 2048
     preemption_mode: Optional[str] = None  # None: recompute single-sequence groups, swap the others
     enable_chunked_prefill: bool = False
-    kv_reservation: Optional[str] = None  # None (paged, on demand) | "max" | "pow2" | "oracle"
-    buddy_allocator: bool = False  # round reservations up to a power of two
-    static_batching: bool = False  # admit only when nothing runs (FasterTransformer)
+    policy: SchedulingPolicy = field(default_factory=FCFS)  # see paged_jax.policy
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -63,10 +56,9 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be a positive integer, got {v!r}")
         if self.preemption_mode not in (None, "recompute", "swap"):
             raise ValueError(f"preemption_mode must be None, 'recompute' or 'swap', got {self.preemption_mode!r}")
-        if self.kv_reservation not in RESERVATIONS:
-            raise ValueError(f"kv_reservation must be one of {RESERVATIONS}, got {self.kv_reservation!r}")
-        if self.buddy_allocator and self.kv_reservation is None:
-            raise ValueError("buddy_allocator=True needs a kv_reservation ('max', 'pow2' or 'oracle')")
+        if not isinstance(self.policy, SchedulingPolicy):
+            raise ValueError(f"policy must be a paged_jax.policy.SchedulingPolicy (FCFS, Orca, FasterTransformer "
+                             f"or a subclass of your own), got {self.policy!r}")
         if not self.enable_chunked_prefill and self.max_num_batched_tokens < self.max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
@@ -112,10 +104,19 @@ class SchedulerOutput:
         return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
 
 
+@dataclass
+class _Budget:
+    """What is left of one iteration's limits."""
+
+    tokens: int  # max_num_batched_tokens minus the tokens scheduled so far
+    seqs: int  # max_num_seqs minus the sequences running so far
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
         self.config = config
         self.block_manager = block_manager
+        self.policy = config.policy  # replaceable between steps (the throughput benchmark does)
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()
@@ -148,103 +149,113 @@ class Scheduler:
     def free_finished_seq_groups(self) -> None:
         self.running = [g for g in self.running if not g.is_finished()]
 
+    def reservation(self, group: SequenceGroup) -> Reservation:
+        """KV tokens the policy has ``group`` reserve at admission ((0, 0): none)."""
+        return self.policy.reservation(group, self.config.max_model_len)
+
     # ---- the iteration -------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Decide one iteration: running requests first, then swapped ones, then new ones."""
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        chunked = self.config.enable_chunked_prefill
-
-        # 1. Running requests, oldest first; preempt the newest when blocks run out.
-        running = deque(self.running)
-        self.running = []
-        num_seqs = 0
-        while running:
-            group = running.popleft()
-            while not self.block_manager.can_append_slots(group):
-                victim = running.pop() if running else group
-                self._preempt(victim, out)
-                if victim is group:
-                    break
-            else:
-                # With no token budget left, the group stays running and runs next time.
-                budget -= self._schedule_rows(group, budget, out)
-                num_seqs += group.num_seqs(SequenceStatus.RUNNING)
-                self.running.append(group)
-
-        # 2. Swapped requests come back (oldest first) when nothing was preempted this step.
+        budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        self._schedule_running(budget, out)
+        # Swapped requests come back, and then new ones are admitted, only if nothing was
+        # preempted this step; new ones only once no request is swapped out, and if the policy admits.
         if not out.preempted:
-            while self.swapped:
-                group = self.swapped[0]
-                n_seqs = group.num_seqs(SequenceStatus.SWAPPED)
-                if num_seqs + n_seqs > self.config.max_num_seqs or budget < n_seqs:
-                    break
-                if not self.block_manager.can_swap_in(group):
-                    if not self.running and not out.scheduled:
-                        # Nothing else holds device blocks: it will never fit again.
-                        self.swapped.popleft()
-                        self._finish_early(group, SequenceStatus.FINISHED_LENGTH_CAPPED,
-                                           "its sequences outgrew the KV cache", out)
-                        continue
-                    break
-                self.swapped.popleft()
-                out.blocks_to_swap_in.extend(self.block_manager.swap_in(group).items())
-                for seq in group.get_seqs(SequenceStatus.SWAPPED):
-                    seq.status = SequenceStatus.RUNNING
-                budget -= self._schedule_rows(group, budget, out)
-                num_seqs += n_seqs
-                self.running.append(group)
+            self._schedule_swapped(budget, out)
+            if not self.swapped and self.policy.admission_open(self.running):
+                self._schedule_waiting(budget, out)
+        return out
 
-        # 3. New prompts, first come first served, only when no request is swapped out
-        #    (and, with static batching, only when the last batch is done).
-        batch_open = not (self.config.static_batching and self.running)
-        while batch_open and self.waiting and not self.swapped and not out.preempted:
-            group = self.waiting[0]
+    def _schedule_running(self, budget: _Budget, out: SchedulerOutput) -> None:
+        """Serve the running requests in the policy's order. When one's next tokens need
+        blocks that are not free, preempt the policy's victims among those not served
+        yet, or, when none is left, the request itself."""
+        queue = deque(self.policy.order_running(self.running))
+        self.running = []
+        while queue:
+            group = queue.popleft()
+            if self._make_room(group, queue, out):
+                # With no token budget left, the group stays running and runs next time.
+                self._run(group, group.num_seqs(SequenceStatus.RUNNING), budget, out)
+            else:
+                self._preempt(group, out)
+
+    def _make_room(self, group: SequenceGroup, others: deque[SequenceGroup], out: SchedulerOutput) -> bool:
+        """Preempt the policy's victims among ``others`` until the next tokens of ``group``
+        fit; return whether they do."""
+        while not self.block_manager.can_append_slots(group):
+            if not others:
+                return False
+            self._preempt(_take(others, self.policy.choose_victim(others), "choose_victim"), out)
+        return True
+
+    def _schedule_swapped(self, budget: _Budget, out: SchedulerOutput) -> None:
+        """Bring swapped requests back, oldest first, while they fit."""
+        while self.swapped:
+            group = self.swapped[0]
+            n_seqs = group.num_seqs(SequenceStatus.SWAPPED)
+            if n_seqs > budget.seqs or budget.tokens < n_seqs:
+                return
+            if not self.block_manager.can_swap_in(group):
+                if self.running or out.scheduled:
+                    return
+                # Nothing else holds device blocks: it will never fit again.
+                self.swapped.popleft()
+                self._finish_early(group, SequenceStatus.FINISHED_LENGTH_CAPPED,
+                                   "its sequences outgrew the KV cache", out)
+                continue
+            self.swapped.popleft()
+            out.blocks_to_swap_in.extend(self.block_manager.swap_in(group).items())
+            for seq in group.get_seqs(SequenceStatus.SWAPPED):
+                seq.status = SequenceStatus.RUNNING
+            self._run(group, n_seqs, budget, out)
+
+    def _schedule_waiting(self, budget: _Budget, out: SchedulerOutput) -> None:
+        """Admit new requests in the policy's order until one does not fit now: it waits,
+        and no request overtakes it. Requests that can never run are rejected."""
+        while self.waiting:
+            group = self.policy.next_waiting(self.waiting)
             seq = group.get_seqs(SequenceStatus.WAITING)[0]
             reason = self._reject_reason(group, seq)
             if reason is not None:
-                self.waiting.popleft()
-                self._finish_early(group, SequenceStatus.FINISHED_IGNORED, reason, out)
+                self._reject(group, reason, out)
                 continue
             # A request's samples fork after its prompt: count them all now.
-            n_seqs = max(group.num_seqs(SequenceStatus.WAITING), self._num_samples(group))
-            if num_seqs + n_seqs > self.config.max_num_seqs:
-                break
-            reserve = self.reservation(group)[1]
-            status = self.block_manager.can_allocate(group, reserve)
+            n_seqs = max(group.num_seqs(SequenceStatus.WAITING), group.sampling_params.best_of)
+            if n_seqs > budget.seqs:
+                return
+            reserve = self.reservation(group).allocated
+            # A request that wants every prompt token's logprobs must compute every prompt token.
+            use_prefix_cache = group.sampling_params.prompt_logprobs is None
+            status = self.block_manager.can_allocate(group, reserve, use_prefix_cache)
             if status is AllocStatus.NEVER:
-                self.waiting.popleft()
-                self._finish_early(group, SequenceStatus.FINISHED_IGNORED,
-                                   f"prompt of {seq.get_len()} tokens can never fit in the KV cache "
-                                   f"({self.block_manager.gpu_allocator.num_total_blocks} blocks of "
-                                   f"{self.block_manager.block_size} tokens)", out)
+                self._reject(group, f"prompt of {seq.get_len()} tokens can never fit in the KV cache "
+                                    f"({self.block_manager.gpu_allocator.num_total_blocks} blocks of "
+                                    f"{self.block_manager.block_size} tokens)", out)
                 continue
             if status is AllocStatus.LATER:
-                if not self.running and not self.swapped and not out.scheduled:
-                    # Nothing can free blocks (the rest are pinned prefixes): it would wait forever.
-                    self.waiting.popleft()
-                    self._finish_early(group, SequenceStatus.FINISHED_IGNORED,
-                                       f"prompt of {seq.get_len()} tokens does not fit in the KV cache "
-                                       "left free by pinned prefixes", out)
-                    continue
-                break
-            # Without chunking the whole prompt must fit this step's token budget (an upper
-            # bound: a prefix-cache hit, found only at allocation, runs fewer tokens).
-            if not chunked and self._prefill_tokens(group, seq) > budget and out.scheduled:
-                break
-            if chunked and budget <= 0:
-                break
-            self.waiting.popleft()
-            params = group.sampling_params
-            self.block_manager.allocate(group, use_prefix_cache=getattr(params, "prompt_logprobs", None) is None,
-                                        reserve_tokens=reserve)
+                if self.running or out.scheduled:
+                    return
+                # Nothing can free blocks (the rest are pinned prefixes): it would wait forever.
+                self._reject(group, f"prompt of {seq.get_len()} tokens does not fit in the KV cache "
+                                    "left free by pinned prefixes", out)
+                continue
+            if not self._prompt_fits(group, seq, budget.tokens, out):
+                return
+            _take(self.waiting, group, "next_waiting")
+            self.block_manager.allocate(group, use_prefix_cache=use_prefix_cache, reserve_tokens=reserve)
             for s in group.get_seqs(SequenceStatus.WAITING):
                 s.status = SequenceStatus.RUNNING
-            budget -= self._schedule_rows(group, budget, out)
-            num_seqs += n_seqs
-            self.running.append(group)
-        return out
+            self._run(group, n_seqs, budget, out)
 
     # ---- helpers -------------------------------------------------------------
+    def _run(self, group: SequenceGroup, n_seqs: int, budget: _Budget, out: SchedulerOutput) -> None:
+        """``group`` (``n_seqs`` sequences, counting samples yet to fork) runs this step."""
+        budget.tokens -= self._schedule_rows(group, budget.tokens, out)
+        budget.seqs -= n_seqs
+        self.running.append(group)
+
     def _schedule_rows(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> int:
         """Schedule the running sequences of ``group`` within ``budget`` tokens; return the tokens used.
 
@@ -268,39 +279,31 @@ class Scheduler:
             used += n
         return used
 
-    def reservation(self, group: SequenceGroup) -> tuple[int, int]:
-        """KV tokens the request reserves at admission under ``kv_reservation``: (asked
-        for by the policy, allocated after buddy rounding); (0, 0) when paged."""
-        policy = self.config.kv_reservation
-        if policy is None:
-            return 0, 0
-        max_len = self.config.max_model_len
-        seq = group.seqs[0]
-        out_len = getattr(group.sampling_params, "max_tokens", None)
-        if policy == "max" or out_len is None:
-            asked = max_len
-        else:
-            asked = min(max_len, seq.get_prompt_len() + (pow2_bucket(out_len) if policy == "pow2" else out_len))
-        asked = max(asked, seq.get_len())
-        return asked, (pow2_bucket(asked) if self.config.buddy_allocator else asked)
-
-    @staticmethod
-    def _prefill_tokens(group: SequenceGroup, seq: Sequence) -> int:
-        """Tokens a waiting group must run in its first step (all of a recomputed beam group's beams)."""
+    def _prompt_fits(self, group: SequenceGroup, seq: Sequence, tokens_left: int, out: SchedulerOutput) -> bool:
+        """Whether a waiting group's prompt can start this step: with chunked prefill, if
+        any token budget is left; without, if all of it fits (all of a recomputed beam
+        group's beams; an upper bound, as a prefix-cache hit runs fewer tokens) or if
+        nothing else runs."""
+        if self.config.enable_chunked_prefill:
+            return tokens_left > 0
         if group.beam is None:
-            return seq.get_len()
-        return sum(s.get_len() for s in group.get_seqs(SequenceStatus.WAITING))
-
-    @staticmethod
-    def _num_samples(group: SequenceGroup) -> int:
-        return getattr(group.sampling_params, "best_of", None) or 1
+            num_tokens = seq.get_len()
+        else:
+            num_tokens = sum(s.get_len() for s in group.get_seqs(SequenceStatus.WAITING))
+        return num_tokens <= tokens_left or not out.scheduled
 
     def _reject_reason(self, group: SequenceGroup, seq: Sequence) -> Optional[str]:
+        best_of = group.sampling_params.best_of
         if seq.get_len() > self.config.max_model_len:
             return f"prompt of {seq.get_len()} tokens exceeds max_model_len={self.config.max_model_len}"
-        if self._num_samples(group) > self.config.max_num_seqs:
-            return f"best_of={self._num_samples(group)} exceeds max_num_seqs={self.config.max_num_seqs}"
+        if best_of > self.config.max_num_seqs:
+            return f"best_of={best_of} exceeds max_num_seqs={self.config.max_num_seqs}"
         return None
+
+    def _reject(self, group: SequenceGroup, reason: str, out: SchedulerOutput) -> None:
+        """A waiting request that can never run leaves the queue, ignored."""
+        _take(self.waiting, group, "next_waiting")
+        self._finish_early(group, SequenceStatus.FINISHED_IGNORED, reason, out)
 
     def _finish(self, group: SequenceGroup, status: SequenceStatus) -> None:
         """End every unfinished sequence of ``group`` with ``status`` and free its blocks."""
@@ -359,3 +362,13 @@ class Scheduler:
         seqs = group.get_seqs(SequenceStatus.RUNNING)
         return (len(seqs) == 1 or group.beam is None
                 or sum(s.get_len() for s in seqs) <= self.config.max_num_batched_tokens)
+
+
+def _take(queue: deque[SequenceGroup], group: SequenceGroup, hook: str) -> SequenceGroup:
+    """Remove ``group`` (the one the policy's ``hook`` chose) from ``queue``; return it."""
+    for i, g in enumerate(queue):
+        if g is group:
+            del queue[i]
+            return group
+    raise ValueError(f"the scheduling policy's {hook} returned request {group.request_id!r}, "
+                     "which is not one of the requests it was given")

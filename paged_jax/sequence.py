@@ -14,6 +14,8 @@ import enum
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from paged_jax.sampling_params import SamplingParams
+
 
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
@@ -112,12 +114,17 @@ class SequenceGroup:
 
     request_id: str
     seqs: list[Sequence]
-    sampling_params: Any = None
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
     arrival_time: float = 0.0
     prompt: Optional[str] = None
     # Set when the group is rejected or otherwise ends outside the normal path.
     finish_message: Optional[str] = None
     beam: Any = None  # a beam_search.BeamState for beam-search requests
+
+    def __post_init__(self):
+        if not isinstance(self.sampling_params, SamplingParams):
+            raise TypeError(f"request {self.request_id!r}: sampling_params must be a SamplingParams, "
+                            f"got {type(self.sampling_params).__name__}")
 
     def get_seqs(self, status: Optional[SequenceStatus] = None) -> list[Sequence]:
         if status is None:

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from paged_jax.memory.block_manager import BlockManager
+from paged_jax.policy import FasterTransformer, Orca
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.scheduler import Scheduler, SchedulerConfig
 from paged_jax.utils import pow2_bucket
@@ -40,7 +41,7 @@ def blocks_of(sched, g):
     return len(sched.block_manager.get_block_table(g.seqs[0]))
 
 
-@pytest.mark.parametrize("policy,buddy,prompt,out,expect_tokens", [
+@pytest.mark.parametrize("mode,buddy,prompt,out,expect_tokens", [
     ("max", False, 5, 10, 64),
     ("oracle", False, 5, 10, 15),
     ("oracle", True, 5, 10, 16),
@@ -48,8 +49,8 @@ def blocks_of(sched, g):
     ("pow2", True, 5, 10, 32),
     ("oracle", False, 50, 30, 64),  # capped at max_model_len
 ])
-def test_reservation_sizes_and_no_growth(policy, buddy, prompt, out, expect_tokens):
-    s = make(kv_reservation=policy, buddy_allocator=buddy)
+def test_reservation_sizes_and_no_growth(mode, buddy, prompt, out, expect_tokens):
+    s = make(policy=Orca(mode, buddy_allocator=buddy))
     g = group("a", prompt, out)
     s.add_seq_group(g)
     assert s.reservation(g)[1] == expect_tokens
@@ -66,7 +67,7 @@ def test_reservation_sizes_and_no_growth(policy, buddy, prompt, out, expect_toke
 
 def test_reservation_limits_the_batch_like_orca():
     # 64 free blocks of 4 = 256 slots; Orca(Max) reserves 64 tokens = 16 blocks: four requests fit.
-    s = make(kv_reservation="max")
+    s = make(policy=Orca("max"))
     for i in range(6):
         s.add_seq_group(group(f"r{i}", 3, 5))
     out = step(s)
@@ -82,16 +83,16 @@ def test_reservation_limits_the_batch_like_orca():
 
 def test_oracle_batches_more_than_pow2_than_max():
     counts = {}
-    for policy in ("max", "pow2", "oracle"):
-        s = make(kv_reservation=policy, buddy_allocator=True)
+    for mode in ("max", "pow2", "oracle"):
+        s = make(policy=Orca(mode, buddy_allocator=True))
         for i in range(40):
             s.add_seq_group(group(f"r{i}", 3 + i % 5, 5 + 3 * (i % 4)))
-        counts[policy] = len(step(s).scheduled)
+        counts[mode] = len(step(s).scheduled)
     assert counts["max"] < counts["pow2"] < counts["oracle"]
 
 
 def test_static_batching_admits_only_when_the_batch_is_done():
-    s = make(kv_reservation="max", static_batching=True)
+    s = make(policy=FasterTransformer("max"))
     lens = [2, 9, 4]
     for i, n in enumerate(lens):
         s.add_seq_group(group(f"r{i}", 3, n))
@@ -110,7 +111,7 @@ def test_static_batching_admits_only_when_the_batch_is_done():
 
 
 def test_reservation_larger_than_the_pool_is_rejected():
-    s = make(num_blocks=9, kv_reservation="max")  # 8 blocks = 32 slots < 64 reserved
+    s = make(num_blocks=9, policy=Orca("max"))  # 8 blocks = 32 slots < 64 reserved
     g = group("big", 3, 5)
     s.add_seq_group(g)
     out = s.schedule()
@@ -118,7 +119,7 @@ def test_reservation_larger_than_the_pool_is_rejected():
 
 
 def test_reserved_sequences_do_not_fork():
-    s = make(kv_reservation="oracle")
+    s = make(policy=Orca("oracle"))
     g = group("a", 3, 5)
     s.add_seq_group(g)
     step(s)
@@ -127,13 +128,15 @@ def test_reserved_sequences_do_not_fork():
         s.block_manager.fork(g.seqs[0], child)
 
 
-@pytest.mark.parametrize("kwargs,match", [
-    ({"kv_reservation": "huge"}, "kv_reservation"),
-    ({"buddy_allocator": True}, "buddy_allocator"),
+@pytest.mark.parametrize("make_bad,match", [
+    (lambda: Orca("huge"), r"reservation must be one of \('max', 'pow2', 'oracle'\), got 'huge'"),
+    (lambda: FasterTransformer(None), "reservation must be one of"),
+    (lambda: Orca("max", buddy_allocator="yes"), "buddy_allocator must be True or False, got 'yes'"),
+    (lambda: SchedulerConfig(policy="orca"), "policy must be a paged_jax.policy.SchedulingPolicy.*got 'orca'"),
 ])
-def test_bad_policy_config(kwargs, match):
+def test_bad_policy_config(make_bad, match):
     with pytest.raises(ValueError, match=match):
-        SchedulerConfig(**kwargs)
+        make_bad()
 
 
 def test_reservation_rounding_is_the_next_power_of_two():

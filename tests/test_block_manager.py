@@ -97,7 +97,7 @@ def test_allocate_diverged_siblings_share_common_full_blocks():
     for seq, out in zip(group.seqs, ([1, 2, 3], [1, 2, 4], [1, 2, 3], [5])):
         seq.output_token_ids.extend(out)
     # Blocks: [10..13] [14..17] [18,1,2,3|4] / [18,5]; seqs 0 and 2 are identical.
-    assert bm._num_new_blocks(group.seqs) == 2 + 1 + 1 + 1
+    assert bm.plan_allocation(group).num_blocks_taken == 2 + 1 + 1 + 1
     assert bm.can_allocate(group) is AllocStatus.OK
     bm.allocate(group)
     tables = [bm.get_block_table(s) for s in group.seqs]
@@ -122,11 +122,26 @@ def test_recomputed_siblings_count_each_cached_block_once():
     group = make_group(prompt, n=2)
     group.seqs[0].output_token_ids.extend([1, 2, 3])
     group.seqs[1].output_token_ids.extend([4, 5, 6])
-    assert bm._num_new_blocks(group.seqs) == 4 + 2  # the 4 cached blocks once, one tail block each
+    assert bm.plan_allocation(group).num_blocks_taken == 4 + 2  # the 4 cached blocks once, one tail block each
     assert bm.get_num_free_gpu_blocks() == 7 and bm.can_allocate(group) is AllocStatus.OK
     bm.allocate(group)
     assert bm.get_num_free_gpu_blocks() == 1
     assert all(s.num_computed_tokens == 16 for s in group.seqs)
+    bm.check_invariants()
+
+
+def test_can_allocate_counts_what_allocate_takes_without_the_prefix_cache():
+    bm = BlockManager(block_size=4, num_gpu_blocks=8, num_cpu_blocks=0, watermark=0.0, enable_prefix_caching=True)
+    prompt = list(range(10, 26))  # 4 full blocks, computed and registered, still in use
+    admit(bm, prompt)
+    group = make_group(prompt + [99])  # 5 blocks, the first 4 in the cache
+    assert bm.get_num_free_gpu_blocks() == 3
+    assert bm.plan_allocation(group).num_blocks_taken == 1
+    assert bm.can_allocate(group) is AllocStatus.OK
+    assert bm.plan_allocation(group, use_prefix_cache=False).num_blocks_taken == 5
+    assert bm.can_allocate(group, use_prefix_cache=False) is AllocStatus.LATER
+    with pytest.raises(NoFreeBlocksError, match="allocate needs 5 free blocks in the gpu pool, 3 are free"):
+        bm.allocate(group, use_prefix_cache=False)
     bm.check_invariants()
 
 

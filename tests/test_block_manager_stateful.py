@@ -103,17 +103,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.groups.append(SequenceGroup(f"r{len(self.groups)}", [Sequence(next(self.ids), prompt) for _ in range(n)]))
 
     @precondition(lambda self: self.with_status(SequenceStatus.WAITING))
-    @rule(pick=pick_st, chunk=st.integers(1, 8))
-    def schedule_waiting(self, pick, chunk) -> None:
-        """Admit a request. A single sequence computes its prompt in chunks (chunked
-        prefill); the n sequences of a sampling request compute their shared prompt once."""
+    @rule(pick=pick_st, chunk=st.integers(1, 8), use_cache=st.booleans())
+    def schedule_waiting(self, pick, chunk, use_cache) -> None:
+        """Admit a request, with or without prefix lookup. A single sequence computes its
+        prompt in chunks (chunked prefill); the n sequences of a sampling request compute
+        their shared prompt once."""
         waiting = self.with_status(SequenceStatus.WAITING)
         group = waiting[pick % len(waiting)]
-        status = self.bm.can_allocate(group)
+        status = self.bm.can_allocate(group, use_prefix_cache=use_cache)
         if status is AllocStatus.NEVER:
             self.finish(group, group.seqs)
         elif status is AllocStatus.OK:
-            self.bm.allocate(group)
+            plan, free = self.bm.plan_allocation(group, use_cache), self.bm.get_num_free_gpu_blocks()
+            self.bm.allocate(group, use_prefix_cache=use_cache)
+            assert free - self.bm.get_num_free_gpu_blocks() == plan.num_blocks_taken  # the plan is what it takes
             first = group.seqs[0]
             assert first.num_computed_tokens % BS == 0 and first.num_computed_tokens < first.get_len()
             for seq in group.seqs:

@@ -137,3 +137,30 @@ def test_config_validation():
         SchedulerConfig(max_num_batched_tokens=100, max_model_len=200)
     with pytest.raises(ValueError, match="max_num_seqs"):
         SchedulerConfig(max_num_seqs=0)
+
+
+def test_a_request_skipping_the_prefix_cache_waits_until_all_its_blocks_fit():
+    """prompt_logprobs needs every prompt token computed, so admission must count every
+    block, not the prefix-cache hits allocation will not use (else allocate raises)."""
+    bm = BlockManager(4, 8, 0, watermark=0.0, enable_prefix_caching=True)  # 7 blocks of 4 tokens
+    s = Scheduler(SchedulerConfig(max_model_len=64, max_num_batched_tokens=64), bm)
+    prompt = list(range(3, 19))  # 16 tokens: 4 blocks
+    first = SequenceGroup("first", [Sequence(next(_ids), prompt)], SamplingParams(max_tokens=3))
+    s.add_seq_group(first)
+    advance(s, s.schedule())
+    bm.mark_blocks_computed(first.seqs[0])
+    logprobs = SamplingParams(max_tokens=1, prompt_logprobs=0)
+    second = SequenceGroup("second", [Sequence(next(_ids), prompt + [99])], logprobs)  # 5 blocks, 4 cached
+    s.add_seq_group(second)
+    out = s.schedule()  # first grows to a 5th block: 2 free, fewer than the 5 the second takes
+    assert [r.group.request_id for r in out.scheduled] == ["first"] and list(s.waiting) == [second]
+    advance(s, out)
+    rows = [r for out in run_to_end(s) for r in out.scheduled if r.group is second]
+    assert rows[0].num_tokens == 17  # every prompt token computed (a cache hit would leave 1)
+
+
+def test_a_request_carries_real_sampling_params():
+    seq = Sequence(next(_ids), [1, 2, 3])
+    assert SequenceGroup("default", [seq]).sampling_params == SamplingParams()
+    with pytest.raises(TypeError, match="request 'bad': sampling_params must be a SamplingParams, got dict"):
+        SequenceGroup("bad", [seq], {"max_tokens": 3})

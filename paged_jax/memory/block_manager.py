@@ -3,6 +3,9 @@
 Plain Python, no JAX. The scheduler asks it what fits (``can_*``) and tells it
 what to do; the operations that move data return plans (copy-on-write pairs,
 swap mappings) that the executor carries out with ``cache_ops`` before the step.
+What an operation takes is counted once, by the plans of ``block_table``, for
+both the question and the operation; the blocks themselves (reference counts,
+the prefix cache's evictable blocks, pins) are the pools' (``block_pool``).
 
 Every sequence with blocks has a *block table*: its blocks in token order, on
 the device pool (running) or the host pool (swapped), and how many tokens they
@@ -27,8 +30,7 @@ Prefix sharing comes in two forms. *Automatic prefix caching*
 (``enable_prefix_caching=True``): ``mark_blocks_computed`` registers each full
 computed block under a chained hash (see ``prefix_cache``); ``allocate`` reuses
 the leading blocks it finds; a registered block whose last reference goes
-stays cached as *evictable* and counts as free; a fresh block is taken from the
-free list first, else the least recently used evictable block is evicted.
+stays cached as *evictable* and counts as free until evicted (``block_pool``).
 *Pinned prefixes* (the paper's Sec. 4.4 shared prefix, any setting):
 ``pin_prefix`` keeps a computed prefix's blocks referenced and findable until
 ``unpin_prefix``.
@@ -36,20 +38,18 @@ free list first, else the least recently used evictable block is evicted.
 
 from __future__ import annotations
 
-import enum
 from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
-from paged_jax.memory.block_allocator import BlockAllocator, Device, NoFreeBlocksError
+from paged_jax.memory.block_allocator import BlockAllocator, Device
+from paged_jax.memory.block_pool import BlockPool
+from paged_jax.memory.block_table import (AllocationPlan, AllocStatus, BlockTable, blocks_for, num_growth_blocks,
+                                          plan_allocation, plan_growth)
 from paged_jax.memory.prefix_cache import PrefixCache, iter_block_hashes
 from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
 
-
-class AllocStatus(enum.Enum):
-    OK = "ok"  # fits now
-    LATER = "later"  # fits once blocks are freed
-    NEVER = "never"  # needs more blocks than the pool, minus the watermark, can ever give
+__all__ = ["AllocStatus", "BlockManager", "BlockTable", "KVCacheUsage"]
 
 
 @dataclass(frozen=True)
@@ -66,15 +66,6 @@ class KVCacheUsage:
     @property
     def utilization(self) -> float:
         return self.num_tokens_stored / self.num_token_slots_used if self.num_token_slots_used else 1.0
-
-
-@dataclass
-class BlockTable:
-    device: Device  # the pool its blocks live in
-    blocks: list[int]
-    num_tokens: int  # tokens the blocks hold
-    block_hashes: list[bytes]  # chained hashes of the leading full, computed blocks
-    min_blocks: int = 0  # blocks reserved at admission: the table never holds fewer
 
 
 class BlockManager:
@@ -103,22 +94,27 @@ class BlockManager:
         self.enable_block_sharing = enable_block_sharing
         self.gpu_allocator = BlockAllocator(Device.GPU, num_gpu_blocks, reserve_null_block=True)
         self.cpu_allocator = BlockAllocator(Device.CPU, num_cpu_blocks)
-        self._allocators = {Device.GPU: self.gpu_allocator, Device.CPU: self.cpu_allocator}
+        # Pinned prefixes are registered in the cache even when automatic caching is off.
+        self._cache = PrefixCache()
+        self.gpu_pool = BlockPool(self.gpu_allocator, self._cache)
+        self._pools = {Device.GPU: self.gpu_pool, Device.CPU: BlockPool(self.cpu_allocator)}
         self.watermark_blocks = int(watermark * self.gpu_allocator.num_total_blocks)
         self._tables: dict[int, BlockTable] = {}
-        self._cache = PrefixCache()  # device blocks only; pinned prefixes live here even when caching is off
-        self._pins: dict[int, list[int]] = {}
-        self._next_pin_handle = 0
 
     # ---- admission -------------------------------------------------------------
-    def can_allocate(self, seq_group: SequenceGroup, reserve_tokens: int = 0) -> AllocStatus:
-        """Whether ``allocate`` (with the same ``reserve_tokens``) fits now with the watermark to spare."""
-        seqs = _waiting_seqs(seq_group)
-        if (self._num_new_blocks(seqs, use_cache=False, reserve_tokens=reserve_tokens)
-                > self.gpu_allocator.num_total_blocks - self.watermark_blocks):
+    def plan_allocation(self, seq_group: SequenceGroup, use_prefix_cache: bool = True,
+                        reserve_tokens: int = 0) -> AllocationPlan:
+        """What ``allocate`` with these arguments would do now (see ``block_table``)."""
+        return plan_allocation(_waiting_seqs(seq_group), self.block_size, reserve_tokens, self.enable_block_sharing,
+                               self._match_prefix if use_prefix_cache else None, self.gpu_allocator.get_ref_count)
+
+    def can_allocate(self, seq_group: SequenceGroup, reserve_tokens: int = 0,
+                     use_prefix_cache: bool = True) -> AllocStatus:
+        """Whether ``allocate`` (with the same arguments) fits now with the watermark to spare."""
+        plan = self.plan_allocation(seq_group, use_prefix_cache, reserve_tokens)
+        if plan.num_blocks_uncached > self.gpu_allocator.num_total_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
-        need = self._num_new_blocks(seqs, reserve_tokens=reserve_tokens)
-        if self.get_num_free_gpu_blocks() - need >= self.watermark_blocks:
+        if self.get_num_free_gpu_blocks() - plan.num_blocks_taken >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
@@ -135,46 +131,36 @@ class BlockManager:
         prompt token's logprobs must compute every prompt token). ``reserve_tokens``
         reserves blocks for that many tokens up front (see the module docstring); a
         reserving group has one sequence."""
-        seqs = _waiting_seqs(seq_group)
-        if reserve_tokens and len(seqs) > 1:
+        plan = self.plan_allocation(seq_group, use_prefix_cache, reserve_tokens)
+        if reserve_tokens and len(plan.seqs) > 1:
             raise ValueError(f"request {seq_group.request_id!r}: a reservation is per sequence; "
-                             f"it has {len(seqs)} waiting sequences")
-        for seq in seqs:
-            if seq.seq_id in self._tables:
-                raise ValueError(f"sequence {seq.seq_id} already has a block table")
-        self._ensure_free(Device.GPU, self._num_new_blocks(seqs, use_prefix_cache, reserve_tokens), "allocate")
-        min_blocks = self._blocks_for(reserve_tokens)
-        done: list[tuple[list[int], BlockTable, int]] = []  # tokens, table, computed tokens
-        for seq in seqs:
-            tokens = seq.get_token_ids()
-            same = next((d for d in done if d[0] == tokens), None) if self.enable_block_sharing else None
-            if same is not None:
-                blocks, hashes, computed = same[1].blocks, same[1].block_hashes, same[2]
-                for block in blocks:
-                    self.gpu_allocator.incref(block)
-            else:
-                hits, hashes = self._match_prefix(tokens) if use_prefix_cache else ([], [])
-                num_shared, sibling = max(((self._common_full_blocks(tokens, t), tab) for t, tab, _ in done
-                                           if self.enable_block_sharing), key=lambda x: x[0], default=(0, None))
-                for block in hits:
-                    self._take_cached(block)
-                blocks = list(hits)
-                for block in sibling.blocks[len(hits):num_shared] if sibling else ():
-                    self.gpu_allocator.incref(block)
-                    blocks.append(block)
-                num_blocks = max(self._blocks_for(len(tokens)), min_blocks)
-                blocks += [self._new_block(Device.GPU) for _ in range(num_blocks - len(blocks))]
-                computed = len(hits) * self.block_size
-            table = BlockTable(Device.GPU, list(blocks), len(tokens), list(hashes), min_blocks)
-            self._tables[seq.seq_id] = table
-            seq.num_computed_tokens = computed
-            done.append((tokens, table, computed))
+                             f"it has {len(plan.seqs)} waiting sequences")
+        for p in plan.seqs:
+            if p.seq.seq_id in self._tables:
+                raise ValueError(f"sequence {p.seq.seq_id} already has a block table")
+        self.gpu_pool.ensure_free(plan.num_blocks_taken, "allocate")
+        tables: list[BlockTable] = []
+        for p in plan.seqs:
+            if p.same_as is not None:  # the same tokens as an earlier sequence: its whole table
+                same = tables[p.same_as]
+                shared, hashes, num_fresh = same.blocks, same.block_hashes, 0
+            else:  # the cached blocks, the sibling's common full blocks past them, then fresh ones
+                sibling = tables[p.sibling].blocks[len(p.cached):p.num_common] if p.sibling is not None else []
+                shared, hashes = p.cached + sibling, p.cached_hashes
+                num_fresh = p.num_blocks - len(shared)
+            for block in shared:
+                self.gpu_pool.incref(block)
+            blocks = shared + [self.gpu_pool.new_block() for _ in range(num_fresh)]
+            table = BlockTable(Device.GPU, blocks, p.seq.get_len(), list(hashes), plan.min_blocks)
+            self._tables[p.seq.seq_id] = table
+            p.seq.num_computed_tokens = p.num_computed_tokens
+            tables.append(table)
 
     # ---- growth ------------------------------------------------------------------
     def can_append_slots(self, seq_group: SequenceGroup) -> bool:
         """Whether ``append_slot`` can cover every RUNNING sequence of the group
         (new blocks plus copy-on-write copies, counted exactly)."""
-        need = self._num_append_blocks(seq_group.get_seqs(SequenceStatus.RUNNING), Device.GPU)
+        need = self._num_growth_blocks(seq_group.get_seqs(SequenceStatus.RUNNING), Device.GPU)
         return need <= self.get_num_free_gpu_blocks()
 
     def append_slot(self, seq: Sequence) -> Optional[tuple[int, int]]:
@@ -187,18 +173,17 @@ class BlockManager:
         if num_tokens < table.num_tokens:
             raise ValueError(f"sequence {seq.seq_id} has {num_tokens} tokens, fewer than the "
                              f"{table.num_tokens} its blocks hold")
-        copy_last = self._needs_copy(table, num_tokens)
-        num_new = max(0, self._blocks_for(num_tokens) - len(table.blocks))
-        self._ensure_free(Device.GPU, num_new + copy_last, "append_slot")
+        growth = plan_growth(table, num_tokens, self.block_size, self.gpu_allocator.get_ref_count)
+        self.gpu_pool.ensure_free(growth.num_new + growth.copy_last, "append_slot")
         copy = None
-        if copy_last:
-            last = self._last_index(table)
+        if growth.copy_last:
+            last = table.last_index(self.block_size)
             src = table.blocks[last]
-            dst = self._new_block(Device.GPU)
-            self._release(Device.GPU, src)
+            dst = self.gpu_pool.new_block()
+            self.gpu_pool.release(src)
             table.blocks[last] = dst
             copy = (src, dst)
-        table.blocks.extend(self._new_block(Device.GPU) for _ in range(num_new))
+        table.blocks.extend(self.gpu_pool.new_block() for _ in range(growth.num_new))
         table.num_tokens = num_tokens
         return copy
 
@@ -213,18 +198,17 @@ class BlockManager:
             raise ValueError(f"sequence {parent_seq.seq_id} holds a reservation; reserved blocks are not shared")
         if child_seq.seq_id in self._tables:
             raise ValueError(f"sequence {child_seq.seq_id} already has a block table")
-        allocator = self._allocators[parent.device]
         if self.enable_block_sharing:
             blocks, copies = list(parent.blocks), []
             for block in parent.blocks:
-                allocator.incref(block)
+                self._pools[parent.device].incref(block)
         else:
             if parent.device is not Device.GPU:
                 raise ValueError(f"sequence {parent_seq.seq_id} is swapped out: fork it on the device")
-            self._ensure_free(Device.GPU, len(parent.blocks),
-                              "fork without block sharing (enable_block_sharing=False is a measurement baseline; "
-                              "give it a KV cache with room for every copy)")
-            blocks = [self._new_block(Device.GPU) for _ in parent.blocks]
+            self.gpu_pool.ensure_free(len(parent.blocks),
+                                      "fork without block sharing (enable_block_sharing=False is a measurement "
+                                      "baseline; give it a KV cache with room for every copy)")
+            blocks = [self.gpu_pool.new_block() for _ in parent.blocks]
             copies = list(zip(parent.blocks, blocks))
         self._tables[child_seq.seq_id] = BlockTable(parent.device, blocks, parent.num_tokens,
                                                     list(parent.block_hashes) if self.enable_block_sharing else [])
@@ -237,7 +221,7 @@ class BlockManager:
         table = self._tables.pop(seq.seq_id, None)
         if table is not None:
             for block in reversed(table.blocks):
-                self._release(table.device, block)
+                self._pools[table.device].release(block)
 
     # ---- swapping ------------------------------------------------------------------
     def can_swap_out(self, seq_group: SequenceGroup) -> bool:
@@ -252,7 +236,7 @@ class BlockManager:
         """Whether the SWAPPED sequences' blocks, plus the blocks ``append_slot`` will
         then need to cover ``get_len()``, fit with the watermark to spare."""
         seqs = seq_group.get_seqs(SequenceStatus.SWAPPED)
-        need = len(self._distinct_blocks(seqs)) + self._num_append_blocks(seqs, Device.CPU)
+        need = len(self._distinct_blocks(seqs)) + self._num_growth_blocks(seqs, Device.CPU)
         return self.get_num_free_gpu_blocks() - need >= self.watermark_blocks
 
     def swap_in(self, seq_group: SequenceGroup) -> dict[int, int]:
@@ -275,43 +259,27 @@ class BlockManager:
         ``unpin_prefix``."""
         table = self._table(seq, Device.GPU)
         num_full = min(seq.num_computed_tokens, table.num_tokens) // self.block_size
-        pinned = []
+        blocks = []
         for i, (block_hash, block_tokens) in enumerate(
                 iter_block_hashes(seq.get_token_ids(), self.block_size, num_full)):
             block = self._cache.lookup(block_hash, block_tokens)
             if block is None:  # register our copy (fails only on a hash collision: then pinned, not findable)
                 block = table.blocks[i]
                 self._cache.register(block_hash, block_tokens, block)
-            self._take_cached(block)
-            pinned.append(block)
-        handle = self._next_pin_handle
-        self._next_pin_handle += 1
-        self._pins[handle] = pinned
-        return handle
+            blocks.append(block)
+        return self.gpu_pool.pin(blocks)
 
     def unpin_prefix(self, handle: int) -> None:
         """Drop a pin's references. Without automatic prefix caching the blocks also
         stop being findable (unless another pin holds them)."""
-        if handle not in self._pins:
-            raise ValueError(f"no pinned prefix with handle {handle}")
-        blocks = self._pins.pop(handle)
-        if not self.enable_prefix_caching:
-            still_pinned = {b for pin in self._pins.values() for b in pin}
-            for block in blocks:
-                if block not in still_pinned and self._cache.is_registered(block):
-                    self._cache.deregister(block)
-        for block in reversed(blocks):
-            self._release(Device.GPU, block)
+        self.gpu_pool.unpin(handle, forget=not self.enable_prefix_caching)
 
     def get_pinned_blocks(self, handle: int) -> list[int]:
-        return list(self._pins[handle])
+        return self.gpu_pool.get_pin(handle)
 
     def reset_prefix_cache(self) -> int:
         """Evict every evictable cached block; returns how many were evicted."""
-        n = self._cache.num_evictable
-        for _ in range(n):
-            self.gpu_allocator.free(self._cache.evict())
-        return n
+        return self.gpu_pool.evict_all()
 
     # ---- queries -----------------------------------------------------------------------
     def has_seq(self, seq: Sequence) -> bool:
@@ -322,7 +290,7 @@ class BlockManager:
 
     def get_num_free_gpu_blocks(self) -> int:
         """Free device blocks, evictable cached blocks included."""
-        return self.gpu_allocator.num_free_blocks + self._cache.num_evictable
+        return self.gpu_pool.num_free
 
     def get_num_free_cpu_blocks(self) -> int:
         return self.cpu_allocator.num_free_blocks
@@ -336,9 +304,8 @@ class BlockManager:
                 for i, block in enumerate(table.blocks):
                     tokens = min(self.block_size, max(0, table.num_tokens - i * self.block_size))
                     fill[block] = max(fill.get(block, 0), tokens)
-                reserved += len(table.blocks) - self._blocks_for(table.num_tokens)
-        for pin in self._pins.values():
-            fill.update((block, self.block_size) for block in pin)
+                reserved += len(table.blocks) - blocks_for(table.num_tokens, self.block_size)
+        fill.update((block, self.block_size) for block in self.gpu_pool.pinned_blocks())
         used = self.gpu_allocator.num_used_blocks
         return KVCacheUsage(self.gpu_allocator.num_total_blocks, used, self._cache.num_evictable,
                             sum(fill.values()), used * self.block_size, reserved)
@@ -347,36 +314,18 @@ class BlockManager:
         """Raise AssertionError if any invariant of the module docstring is broken."""
         refs = {Device.GPU: Counter(), Device.CPU: Counter()}
         for seq_id, table in self._tables.items():
-            _require(len(table.blocks) == max(self._blocks_for(table.num_tokens), table.min_blocks),
+            _require(len(table.blocks) == max(blocks_for(table.num_tokens, self.block_size), table.min_blocks),
                      f"sequence {seq_id}: {len(table.blocks)} blocks for {table.num_tokens} tokens")
             _require(len(table.block_hashes) <= table.num_tokens // self.block_size,
                      f"sequence {seq_id}: more block hashes than full blocks")
             refs[table.device].update(table.blocks)
-        pinned = {b for pin in self._pins.values() for b in pin}
-        for pin in self._pins.values():
-            refs[Device.GPU].update(pin)
-        for device, allocator in self._allocators.items():
-            allocator.check_invariants()
-            valid = range(allocator.first_block, allocator.num_blocks)
-            _require(all(b in valid for b in refs[device]),
-                     f"{device.value} pool: a table holds the null block or an invalid block")
-            for block in valid:
-                _require(allocator.get_ref_count(block) == refs[device][block],
-                         f"{device.value} block {block}: reference count {allocator.get_ref_count(block)}, "
-                         f"held {refs[device][block]} times")
-        self._cache.check_invariants()
-        _require(set(self.gpu_allocator.parked_blocks()) == set(self._cache.evictable_blocks()),
-                 "gpu pool: unreferenced blocks off the free list differ from the evictable cache")
-        _require(not self.cpu_allocator.parked_blocks(), "cpu pool: an unreferenced block is off the free list")
-        registered = set(self._cache.registered_blocks())
-        _require(not any(self.gpu_allocator.is_free(b) for b in registered), "a free block is registered")
+        for device, pool in self._pools.items():
+            pool.check_invariants(refs[device])
+        registered, pinned = set(self._cache.registered_blocks()), set(self.gpu_pool.pinned_blocks())
         _require(self.enable_prefix_caching or registered <= pinned,
                  "without prefix caching only pinned blocks may be registered")
 
     # ---- internals ------------------------------------------------------------------------
-    def _blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
-
     def _table(self, seq: Sequence, device: Optional[Device] = None) -> BlockTable:
         table = self._tables.get(seq.seq_id)
         if table is None:
@@ -385,66 +334,6 @@ class BlockManager:
             raise ValueError(f"sequence {seq.seq_id} has its blocks in the {table.device.value} pool, "
                              f"not the {device.value} pool")
         return table
-
-    def _ensure_free(self, device: Device, num_blocks: int, what: str) -> None:
-        free = self.get_num_free_gpu_blocks() if device is Device.GPU else self.get_num_free_cpu_blocks()
-        if num_blocks > free:
-            raise NoFreeBlocksError(f"{what} needs {num_blocks} free blocks in the {device.value} pool, "
-                                    f"{free} are free")
-
-    def _new_block(self, device: Device) -> int:
-        """A block with one reference: from the free list, else the LRU evictable one."""
-        allocator = self._allocators[device]
-        if device is Device.GPU and not allocator.num_free_blocks and self._cache.num_evictable:
-            block = self._cache.evict()
-            allocator.incref(block)
-            return block
-        return allocator.allocate()
-
-    def _take_cached(self, block: int) -> None:
-        """Add a reference to a registered device block, reviving it if evictable."""
-        if self._cache.is_evictable(block):
-            self._cache.unpark(block)
-        self.gpu_allocator.incref(block)
-
-    def _release(self, device: Device, block: int) -> None:
-        """Drop one reference; at zero a registered device block is cached, others freed."""
-        allocator = self._allocators[device]
-        if allocator.decref(block) == 0:
-            if device is Device.GPU and self._cache.is_registered(block):
-                self._cache.park(block)
-            else:
-                allocator.free(block)
-
-    def _num_blocks_to_take(self, num_blocks: int, hits: list[int]) -> int:
-        """Free blocks an allocation of ``num_blocks`` consumes: hits on blocks in use cost nothing."""
-        return num_blocks - sum(1 for b in hits if self.gpu_allocator.get_ref_count(b) > 0)
-
-    def _common_full_blocks(self, a: list[int], b: list[int]) -> int:
-        """How many leading full blocks hold the same tokens in ``a`` and ``b``."""
-        bs, n = self.block_size, 0
-        while (n + 1) * bs <= min(len(a), len(b)) and a[n * bs:(n + 1) * bs] == b[n * bs:(n + 1) * bs]:
-            n += 1
-        return n
-
-    def _num_new_blocks(self, seqs: list[Sequence], use_cache: bool = True, reserve_tokens: int = 0) -> int:
-        """Free blocks ``allocate`` takes for these sequences (``use_cache=False``: with nothing cached)."""
-        need, seen, revived = 0, [], set()
-        for seq in seqs:
-            tokens = seq.get_token_ids()
-            if self.enable_block_sharing and any(t == tokens for t in seen):
-                continue
-            num_blocks = max(self._blocks_for(len(tokens)), self._blocks_for(reserve_tokens))
-            hits = self._match_prefix(tokens)[0] if use_cache else []
-            shared = max((self._common_full_blocks(tokens, t) for t in seen if self.enable_block_sharing), default=0)
-            # Fresh blocks past the shared/cached ones, plus cached blocks revived from the evictable
-            # pool (they count as free), each once even when several siblings map it.
-            need += num_blocks - max(shared, len(hits))
-            new_hits = {b for b in hits if self.gpu_allocator.get_ref_count(b) == 0} - revived
-            need += len(new_hits)
-            revived |= new_hits
-            seen.append(tokens)
-        return need
 
     def _match_prefix(self, token_ids: list[int]) -> tuple[list[int], list[bytes]]:
         """Leading cached blocks for these tokens and their hashes; the last token is
@@ -464,28 +353,10 @@ class BlockManager:
         table.block_hashes.extend(h for h, _ in new)
         return [(h, tokens, table.blocks[i]) for i, (h, tokens) in enumerate(new, start)]
 
-    def _needs_copy(self, table: BlockTable, num_tokens: int) -> bool:
-        """Whether growing to ``num_tokens`` writes into a shared, partly filled last block."""
-        return (num_tokens > table.num_tokens and table.num_tokens % self.block_size != 0
-                and self._allocators[table.device].get_ref_count(table.blocks[self._last_index(table)]) > 1)
-
-    def _last_index(self, table: BlockTable) -> int:
-        """Index of the block holding the table's last token (the last block unless reserved)."""
-        return (table.num_tokens - 1) // self.block_size
-
-    def _num_append_blocks(self, seqs: list[Sequence], device: Device) -> int:
-        """Fresh blocks needed to grow every sequence's table to ``get_len()`` tokens.
-        Of k sequences writing into one shared last block with reference count r,
-        k copy it if r > k, and k - 1 if r == k (the last one writes in place)."""
-        need = 0
-        writers: Counter[int] = Counter()
-        for seq in seqs:
-            table = self._table(seq, device)
-            need += max(0, self._blocks_for(seq.get_len()) - len(table.blocks))
-            if self._needs_copy(table, seq.get_len()):
-                writers[table.blocks[self._last_index(table)]] += 1
-        allocator = self._allocators[device]
-        return need + sum(k - (allocator.get_ref_count(b) == k) for b, k in writers.items())
+    def _num_growth_blocks(self, seqs: list[Sequence], device: Device) -> int:
+        """Fresh blocks ``append_slot`` needs to grow every sequence's table to ``get_len()`` tokens."""
+        return num_growth_blocks([(self._table(seq, device), seq.get_len()) for seq in seqs], self.block_size,
+                                 self._pools[device].allocator.get_ref_count)
 
     def _distinct_blocks(self, seqs: list[Sequence]) -> set[int]:
         return {b for seq in seqs for b in self._table(seq).blocks}
@@ -495,15 +366,15 @@ class BlockManager:
         several of them becomes one block holding as many references: sharing and
         reference counts survive the round trip. Returns {src block: dst block}."""
         tables = [self._table(seq, src) for seq in seqs]
-        self._ensure_free(dst, len(self._distinct_blocks(seqs)), f"swap to {dst.value}")
+        self._pools[dst].ensure_free(len(self._distinct_blocks(seqs)), f"swap to {dst.value}")
         mapping: dict[int, int] = {}
         for table in tables:
             for block in table.blocks:
                 if block in mapping:
-                    self._allocators[dst].incref(mapping[block])
+                    self._pools[dst].incref(mapping[block])
                 else:
-                    mapping[block] = self._new_block(dst)
-                self._release(src, block)
+                    mapping[block] = self._pools[dst].new_block()
+                self._pools[src].release(block)
             table.blocks = [mapping[b] for b in table.blocks]
             table.device = dst
             table.block_hashes.clear()  # new blocks: mark_blocks_computed hashes and registers them anew
