@@ -14,7 +14,7 @@ CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32, block
 
 def _random_step(rng, max_num_seqs, max_num_batched_tokens, max_model_len, block_size, reserved=False):
     """A step the scheduler could emit: decode rows, then whole prompts within the token budget.
-    ``reserved``: every table holds ``max_model_len`` tokens' blocks (``kv_reservation="max"``)."""
+    ``reserved``: every table holds ``max_model_len`` tokens' blocks (the ``Orca("max")`` policy)."""
     chunks, budget = [], max_num_batched_tokens
 
     def table(tokens):

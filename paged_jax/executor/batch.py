@@ -70,7 +70,7 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, min_tokens: int = 8, 
     S = len(chunks)
     T = sum(len(c.token_ids) for c in chunks)
     max_q = max(len(c.token_ids) for c in chunks)
-    # Only the blocks holding the tokens so far: a table reserved further ahead (kv_reservation)
+    # Only the blocks holding the tokens so far: a table reserved further ahead (the Orca policies)
     # would widen the step's shape and what attention reads, for blocks it never looks at.
     max_b = max(min(len(c.block_table), -(-(c.start_pos + len(c.token_ids)) // block_size)) for c in chunks)
     Tp, Sp, Bp = bucket(T, min_tokens), bucket(S, min_seqs), bucket(max_b, min_blocks)
