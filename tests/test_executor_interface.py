@@ -160,3 +160,52 @@ def test_row_sampling_and_check_sampling_reject_bad_values():
         engine, _ = make_engine()
         engine.add_request("r", None, SamplingParams(max_tokens=1), prompt_token_ids=[1, 2])
         check_sampling(engine.scheduler.schedule(), [])
+
+
+def test_model_runner_draws_exactly_what_each_row_asks(tiny_llama_dir):
+    """Row A completes its prompt and asks for 3 greedy samples with logprobs and 4 candidates;
+    row B runs the first 5 of its 8 prompt tokens and asks for prompt logprobs only. Oracle:
+    numpy log-softmax over the logits of a plain prefill of the same prompts."""
+    import numpy as np
+
+    from paged_jax.executor.model_runner import ModelRunner
+    from paged_jax.models.loader import load_model
+    from paged_jax.scheduler import ScheduledSeq
+    from paged_jax.sequence import Sequence, SequenceGroup
+    from tests.model_helpers import PagedRunner
+
+    config, params = load_model(tiny_llama_dir)
+    prompt_a, prompt_b = [5, 9, 13, 2, 7, 11], [3, 4, 8, 21, 6, 30, 12, 17]
+    logits_a, logits_b = PagedRunner(config, params).prefill_logits([prompt_a, prompt_b])
+
+    def log_softmax(x):
+        x = np.asarray(x, np.float64)
+        return x - x.max() - np.log(np.exp(x - x.max()).sum())
+
+    greedy = SamplingParams(temperature=0, logprobs=2, prompt_logprobs=3)
+    a, b = Sequence(0, prompt_a), Sequence(1, prompt_b)
+    out = SchedulerOutput(scheduled=[
+        ScheduledSeq(a, SequenceGroup("a", [a], greedy, 0.0, None), len(prompt_a), [1, 2]),
+        ScheduledSeq(b, SequenceGroup("b", [b], greedy, 0.0, None), 5, [3, 4])])
+    sampling = [RowSampling(greedy, (None, None, None), logprobs=2, num_candidates=4),
+                RowSampling(greedy, (), prompt_logprobs=3)]
+    runner = ModelRunner(config, params, 4, 16, 0)
+    assert isinstance(runner, Executor)
+    result = runner.execute(out, sampling, eos_token_id=None)
+
+    lp_a = log_softmax(logits_a[-1])
+    best = np.argsort(-lp_a)
+    assert set(result.samples) == {0} and len(result.samples[0]) == 3
+    for smp in result.samples[0]:
+        assert smp.token_id == best[0] and smp.logprob == pytest.approx(lp_a[best[0]], abs=1e-4)
+        assert set(smp.logprobs) == {int(t) for t in best[:2]}
+        ids, lps = smp.candidates
+        assert ids == [int(t) for t in best[:4]] and lps == pytest.approx(lp_a[best[:4]], abs=1e-4)
+    assert set(result.prompt_logprobs) == {1}
+    entries = result.prompt_logprobs[1]
+    assert len(entries) == 5  # positions 0..4 score prompt tokens 1..5
+    for p, entry in enumerate(entries):
+        lp = log_softmax(logits_b[p])
+        target = prompt_b[p + 1]
+        assert entry[target] == pytest.approx(lp[target], abs=1e-4)
+        assert {int(t) for t in np.argsort(-lp)[:3]} <= set(entry)
