@@ -1,16 +1,16 @@
 """The simulated executor: the model runner's interface, a cost model instead of a GPU.
 
-``execute(SchedulerOutput, eos_token_id) -> StepResult`` like
-:class:`paged_jax.executor.model_runner.ModelRunner`: every row whose chunk
-completes its sequence gets one sample (``best_of`` for a request's first
-token), so the real engine appends tokens, forks samples, checks stop rules and
-frees blocks exactly as it does with a model. Token ids carry no meaning (output
+An :class:`paged_jax.executor.interface.Executor` like
+:class:`paged_jax.executor.model_runner.ModelRunner`: every row gets the samples
+the engine asks for (``best_of`` for a request's first token), so the real engine
+appends tokens, forks samples, checks stop rules and frees blocks exactly as it
+does with a model. Nothing here imports JAX. Token ids carry no meaning (output
 lengths are fixed in advance with ``max_tokens`` and ``ignore_eos``); the step's
 duration comes from :class:`experiments.cost_model.CostModel` and advances a
 :class:`SimClock`.
 
 Beam search runs through the engine's own beam search (``use_beam_search``): a
-beam row gets synthetic candidates, and the engine keeps, forks and frees beams
+row asking for candidates gets synthetic ones, and the engine keeps, forks and frees beams
 through the block manager as it does with a model. The candidates are the one
 modelling choice: the gaps between a beam's successive next-token logprobs are
 exponential with mean ``beam_gap`` nats (default 1: a second choice on average e
@@ -21,10 +21,11 @@ gaps let the best beam take over (more sharing).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional, Sequence
 
 import numpy as np
 
-from paged_jax.executor.model_runner import Sample, StepResult
+from paged_jax.executor.interface import RowSampling, Sample, StepResult, check_sampling
 from paged_jax.scheduler import SchedulerOutput
 
 from experiments.cost_model import CostModel
@@ -69,31 +70,34 @@ class SimulatedExecutor:
         self.stats = StepStats()
         self.measuring = True  # count batch sizes (the driver turns it off outside its window)
         self._sample = Sample(TOKEN_ID, 0.0, None)
+        self.timings: dict[str, float] = {}  # no phases worth timing: the duration is simulated
+
+    @property
+    def num_compilations(self) -> int:
+        return 0  # nothing compiles
+
+    def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, sampling_params=None,
+                eos_token_id: Optional[int] = None, progress: bool = True) -> int:
+        return 0  # nothing to compile
 
     def _beam_sample(self, num: int) -> Sample:
         lps = -np.cumsum(self.rng.exponential(self.beam_gap, num))
         ids = list(range(BEAM_TOKEN_BASE, BEAM_TOKEN_BASE + num))
         return Sample(ids[0], float(lps[0]), None, (ids, lps.tolist()))
 
-    def execute(self, out: SchedulerOutput, eos_token_id=None) -> StepResult:
+    def execute(self, out: SchedulerOutput, sampling: Sequence[RowSampling] = (),
+                eos_token_id: Optional[int] = None) -> StepResult:
+        check_sampling(out, sampling)
         result = StepResult()
         rows = []
         groups = set()
-        sample = self._sample
-        for i, r in enumerate(out.scheduled):
-            seq = r.seq
-            start = seq.num_computed_tokens
-            rows.append((r.num_tokens, start))
+        for i, (r, spec) in enumerate(zip(out.scheduled, sampling)):
+            rows.append((r.num_tokens, r.seq.num_computed_tokens))
             groups.add(id(r.group))
-            if start + r.num_tokens == seq.get_len():  # r.completes
-                group = r.group
-                if group.beam is not None:
-                    result.samples[i] = [self._beam_sample(group.beam.num_candidates)]
-                    continue
-                k = 1
-                if not seq.output_token_ids and len(group.seqs) == 1:
-                    k = group.sampling_params.best_of or 1
-                result.samples[i] = [sample] * k
+            if spec.num_candidates:
+                result.samples[i] = [self._beam_sample(spec.num_candidates) for _ in spec.seeds]
+            elif spec.seeds:
+                result.samples[i] = [self._sample] * spec.num_samples
         swapped = len(out.blocks_to_swap_in) + len(out.blocks_to_swap_out)
         copied = len(out.blocks_to_copy)
         num_sampled = sum(len(v) for v in result.samples.values())

@@ -15,10 +15,12 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from paged_jax.beam_search import BeamState, beam_step, num_candidates
+from paged_jax.executor.interface import Executor, RowSampling
 from paged_jax.memory.block_manager import BlockManager
 from paged_jax.outputs import CompletionOutput, RequestOutput, make_logprobs_dict
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+from paged_jax.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
+from paged_jax.seeds import seed_for_sample
 from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
 from paged_jax.text import check_stop, detokenize_incrementally
 
@@ -117,11 +119,11 @@ class LLMEngine:
         self._init_core(self.scheduler_config, block_manager, runner, mc.vocab_size)
 
     @classmethod
-    def from_components(cls, scheduler_config: SchedulerConfig, block_manager: BlockManager, executor,
+    def from_components(cls, scheduler_config: SchedulerConfig, block_manager: BlockManager, executor: Executor,
                         vocab_size: int, tokenizer=None, eos_token_id: Optional[int] = None,
                         clock=time.monotonic) -> "LLMEngine":
-        """An engine over given parts, without loading a model: ``executor`` has the
-        model runner's ``execute(SchedulerOutput, eos_token_id) -> StepResult``. With
+        """An engine over given parts, without loading a model: ``executor`` implements
+        :class:`paged_jax.executor.interface.Executor` (a simulator, a test's fake). With
         no tokenizer, requests are given as token ids and nothing is detokenized (stop
         strings never match). ``clock()`` gives the default arrival time (a simulator
         passes its simulated clock)."""
@@ -132,7 +134,7 @@ class LLMEngine:
         engine._init_core(scheduler_config, block_manager, executor, vocab_size, clock)
         return engine
 
-    def _init_core(self, scheduler_config: SchedulerConfig, block_manager: BlockManager, executor,
+    def _init_core(self, scheduler_config: SchedulerConfig, block_manager: BlockManager, executor: Executor,
                    vocab_size: int, clock=time.monotonic) -> None:
         self.scheduler_config = scheduler_config
         self.block_manager = block_manager
@@ -254,7 +256,7 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.num_steps += 1
         t1 = time.perf_counter()
-        result = self.runner.execute(out, self.eos_token_id)
+        result = self.runner.execute(out, [self._row_sampling(row) for row in out.scheduled], self.eos_token_id)
         t2 = time.perf_counter()
         self.timings["schedule"] += t1 - t0
         self.timings["execute"] += t2 - t1
@@ -289,7 +291,7 @@ class LLMEngine:
         for rid, rows in beam_rows.items():
             fork_copies += self._beam_step(touched[rid], rows)
         if fork_copies:  # without block sharing, forked sequences get copies of their parents' blocks
-            self.runner.execute(SchedulerOutput(blocks_to_copy=fork_copies))
+            self.runner.execute(SchedulerOutput(blocks_to_copy=fork_copies), [])
         for group in touched.values():
             for seq in group.get_seqs():
                 if seq.is_finished() and self.block_manager.has_seq(seq):
@@ -306,6 +308,25 @@ class LLMEngine:
                 self._prompt_logprobs.pop(rid, None)
         self.timings["process"] += time.perf_counter() - t2
         return outputs
+
+    def _row_sampling(self, row: ScheduledSeq) -> RowSampling:
+        """What the executor draws for one scheduled row. A row whose chunk completes its
+        sequence samples: ``best_of`` times on a request's first token (``step`` forks the
+        extra samples from the prompt), otherwise once, each sample with its own seed; a beam
+        row's sample carries the beam's best candidates. Rows running prompt tokens of a
+        request that asks for prompt logprobs get those."""
+        seq, group, p = row.seq, row.group, row.group.sampling_params
+        seeds = ()
+        if row.completes:
+            first = seq.get_output_len() == 0 and group.num_seqs() == 1
+            k = p.best_of if first and not p.use_beam_search else 1
+            sample_indices = range(k) if k > 1 else [seq.sample_index]
+            seeds = tuple(None if p.seed is None else seed_for_sample(p.seed, j) for j in sample_indices)
+        # More candidates than the search's when more logprobs are asked for: the extra ones
+        # rank below this beam's own top candidates and never enter the search.
+        cands = max(group.beam.num_candidates, p.logprobs or 0) if group.beam is not None else 0
+        prompt = p.prompt_logprobs if row.start_pos < seq.get_prompt_len() else None
+        return RowSampling(p, seeds, p.logprobs, cands, prompt)
 
     def _beam_step(self, group: SequenceGroup, rows: list) -> list[tuple[int, int]]:
         """Advance a beam search by one token: keep, fork and free beams through the block manager.
@@ -428,12 +449,12 @@ class LLMEngine:
             "num_preemptions": dict(self.scheduler.num_preemptions),
             "kv_cache_usage": usage.num_used_gpu_blocks / max(1, usage.num_total_gpu_blocks),
             "kv_utilization": usage.utilization,
-            "num_compilations": getattr(self.runner, "num_compilations", 0),
-            "attention_backend": getattr(self.runner, "attention_backend", None),  # the backend's name, "auto" resolved
+            "num_compilations": self.runner.num_compilations,
+            "attention_backend": getattr(self.runner, "attention_backend", None),  # the model runner's choice; None in a simulator
             "num_generated_tokens": self.num_generated_tokens,
             "num_steps": self.num_steps,
             # Seconds spent: engine (schedule = scheduler + block manager; process = appending tokens,
             # stop checks and freeing, detokenize included) and executor (prepare = batch arrays,
             # cache_ops, device = jitted forward, sample).
-            "timings": {**self.timings, **getattr(self.runner, "timings", {})},
+            "timings": {**self.timings, **self.runner.timings},
         }

@@ -75,6 +75,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from paged_jax.seeds import seed_for_sample, splitmix64
 from paged_jax.utils import pow2_bucket
 
 _SAMPLING_EPS = 1e-5
@@ -85,22 +86,7 @@ _CDF_BLOCK = 256
 
 
 # ---- seeds -------------------------------------------------------------------
-def _splitmix64(x: int) -> int:
-    x = (x + 0x9E3779B97F4A7C15) & _M64
-    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
-    return x ^ (x >> 31)
-
-
-def seed_for_sample(seed: int, sample_index: int) -> int:
-    """The seed of sample ``sample_index`` (0 .. best_of-1) of a request seeded with
-    ``seed``: the seed itself for sample 0 (so ``n == 1`` uses the request seed
-    as is), a 64-bit mix of both for the others (so samples differ)."""
-    if sample_index == 0:
-        return seed
-    return _splitmix64((seed & _M64) ^ _splitmix64(sample_index))
-
-
+# seed_for_sample and splitmix64 live in paged_jax.seeds: the engine derives per-sample seeds without JAX.
 def _key_words(seed: int) -> tuple[int, int]:
     s = seed & _M64
     return (s >> 32) & _M32, s & _M32
@@ -197,7 +183,7 @@ class SamplingTensors:
         greedy = np.ones(S, bool)
         key_data = np.zeros((S, 2), np.uint32)
         key_offset = np.zeros(S, np.uint32)
-        unseeded_words = _key_words(_splitmix64(_splitmix64(engine_seed & _M64) ^ (step & _M64)))
+        unseeded_words = _key_words(splitmix64(splitmix64(engine_seed & _M64) ^ (step & _M64)))
 
         prompt_lists, output_lists, ban_lists = [], [], []
         want_top = 0

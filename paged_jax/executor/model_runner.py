@@ -11,8 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,6 +19,7 @@ import numpy as np
 
 from paged_jax.attention import AUTO, select_backend
 from paged_jax.executor.batch import Batch, SeqChunk, bucket, prepare_part, split_chunks, warmup_shapes
+from paged_jax.executor.interface import RowSampling, Sample, StepResult, check_sampling
 from paged_jax.memory import cache_ops
 from paged_jax.models import compute_logits, forward
 from paged_jax.models.config import DTYPE_BYTES, ModelConfig
@@ -29,23 +29,6 @@ from paged_jax.scheduler import SchedulerOutput
 from paged_jax.utils import pow2_bucket
 
 logger = logging.getLogger("paged_jax")
-
-
-@dataclass
-class Sample:
-    token_id: int
-    logprob: float
-    logprobs: Optional[dict[int, float]]  # the top-N entry, when the request asked for logprobs
-    # Beam search rows: the best next tokens and their logprobs, best first (see paged_jax/beam_search.py).
-    candidates: Optional[tuple[list[int], list[float]]] = None
-
-
-@dataclass
-class StepResult:
-    """Per scheduled row index: its samples (rows that completed), its prompt logprobs."""
-
-    samples: dict[int, list[Sample]] = field(default_factory=dict)
-    prompt_logprobs: dict[int, list[dict[int, float]]] = field(default_factory=dict)
 
 
 def enable_compilation_cache(path: Optional[str] = None) -> None:
@@ -206,15 +189,16 @@ class ModelRunner:
         return len(shapes)
 
     # ---- one engine step -----------------------------------------------------
-    def execute(self, out: SchedulerOutput, eos_token_id: Optional[int] = None) -> StepResult:
-        """Run ``out``'s cache operations and forward pass, and sample.
+    def execute(self, out: SchedulerOutput, sampling: Sequence[RowSampling] = (),
+                eos_token_id: Optional[int] = None) -> StepResult:
+        """Run ``out``'s cache operations and forward pass, and draw what ``sampling`` asks.
 
-        Every scheduled row whose chunk completes its sequence gets samples: one,
-        or ``best_of`` for a request's first token (the engine forks the extra
-        samples from the prompt). A beam-search row gets one sample carrying
-        its beam's best candidate continuations. Rows of requests that ask for prompt logprobs
-        also get those for the prompt tokens they ran.
+        Row ``i`` of ``out.scheduled`` gets one sample per seed in ``sampling[i].seeds``
+        (with its top-N logprobs entry and its best candidates when asked for), and the
+        prompt logprobs of the prompt tokens it ran when ``sampling[i].prompt_logprobs`` is set.
+        What the samples mean (best_of fan-out, beams) is the engine's business.
         """
+        check_sampling(out, sampling)
         t0 = time.perf_counter()
         if out.blocks_to_swap_out:
             cache_ops.swap_out(self.kv_caches, self.host_pool, out.blocks_to_swap_out)
@@ -230,8 +214,7 @@ class ModelRunner:
             return result
         chunks = [SeqChunk(r.seq.get_token_ids()[r.start_pos:r.start_pos + r.num_tokens], r.start_pos, r.block_table)
                   for r in out.scheduled]
-        want_prompt = [i for i, r in enumerate(out.scheduled)
-                       if r.group.sampling_params.prompt_logprobs is not None and r.start_pos < r.seq.get_prompt_len()]
+        want_prompt = [i for i, s in enumerate(sampling) if s.prompt_logprobs is not None]
         parts = split_chunks(chunks, one_batch=bool(want_prompt))
         t2 = time.perf_counter()
         self.timings["prepare"] += t2 - t1
@@ -244,59 +227,54 @@ class ModelRunner:
             logits = jax.block_until_ready(self.run_batch(batch, all_logits=bool(want_prompt)))
             t3 = time.perf_counter()
             self.timings["device"] += t3 - t2
-            self._sample_part(out, part, logits, batch, bool(want_prompt), eos_token_id, result)
+            self._sample_part(out, sampling, part, logits, batch, bool(want_prompt), eos_token_id, result)
             self.timings["sample"] += time.perf_counter() - t3
         t3 = time.perf_counter()
         for i in want_prompt:
-            result.prompt_logprobs[i] = self._prompt_logprobs(out.scheduled[i], logits, batch, i)
+            result.prompt_logprobs[i] = self._prompt_logprobs(out.scheduled[i], sampling[i].prompt_logprobs,
+                                                              logits, batch, i)
         self.timings["sample"] += time.perf_counter() - t3
         return result
 
-    def _sample_part(self, out: SchedulerOutput, part: list[int], logits, batch: Batch, all_logits: bool,
-                     eos_token_id: Optional[int], result: StepResult) -> None:
-        """Sample the completing rows among ``out.scheduled[part]`` from ``logits`` (one per batch row)."""
+    def _sample_part(self, out: SchedulerOutput, sampling: Sequence[RowSampling], part: list[int], logits,
+                     batch: Batch, all_logits: bool, eos_token_id: Optional[int], result: StepResult) -> None:
+        """Draw the samples ``sampling`` asks of the rows ``out.scheduled[part]`` from ``logits`` (one per batch row)."""
         row_of_logits = batch.logits_indices if all_logits else np.arange(len(batch.logits_indices))
-        # Sampling rows: (scheduled row, sample index).
+        # One sampler row per sample asked for: its scheduled row, and its batch row's logits.
         picks, rows, logit_rows = [], [], []
         num_top = 0
         for b, i in enumerate(part):
-            r = out.scheduled[i]
-            if not r.completes:
-                continue
-            params = r.group.sampling_params
-            num_top = max(num_top, params.logprobs or 0, r.group.beam.num_candidates if r.group.beam else 0)
-            first = r.seq.get_output_len() == 0 and r.group.num_seqs() == 1
-            k = params.best_of if first and not params.use_beam_search else 1
-            for j in range(k):
-                sample_index = j if k > 1 else r.seq.sample_index
-                seed = None if params.seed is None else seed_for_sample(params.seed, sample_index)
-                picks.append((i, j))
+            spec, seq = sampling[i], out.scheduled[i].seq
+            if spec.num_samples:
+                num_top = max(num_top, spec.num_top)
+            for seed in spec.seeds:
+                picks.append(i)
                 logit_rows.append(row_of_logits[b])
-                rows.append((params, seed, r.seq.prompt_token_ids, r.seq.output_token_ids))
-        if rows:
-            n = bucket(len(rows))
-            idx = np.zeros(n, np.int32)
-            idx[: len(rows)] = logit_rows
-            tensors = SamplingTensors.from_params(rows, self.config.vocab_size, pad_to=n, eos_token_id=eos_token_id,
-                                                  engine_seed=self.seed, step=self._sample_step,
-                                                  num_top=pow2_bucket(num_top) if num_top else 0)
-            self._sample_step += 1
-            # Every row samples (the usual case): the logits are already in order; padded rows are ignored.
-            same = n == logits.shape[0] and np.array_equal(idx[: len(rows)], np.arange(len(rows)))
-            ids, lps, top_ids, top_lps = jax.device_get(sample(logits if same else _take_rows(logits, idx), tensors))
-            for r, (i, j) in enumerate(picks):
-                group = out.scheduled[i].group
-                want = group.sampling_params.logprobs
-                entry = None if want is None else make_logprobs_dict(ids[r], lps[r], top_ids[r], top_lps[r], want)
-                cands = None
-                if group.beam is not None:
-                    # More than the search's candidates when more logprobs are asked for: the extra
-                    # ones rank below this beam's own top candidates and never enter the search.
-                    k = max(group.beam.num_candidates, want or 0)
-                    cands = ([int(t) for t in top_ids[r][:k]], [float(v) for v in top_lps[r][:k]])
-                result.samples.setdefault(i, []).append(Sample(int(ids[r]), float(lps[r]), entry, cands))
-    def _prompt_logprobs(self, row, logits, batch: Batch, i: int) -> list[dict[int, float]]:
-        """Logprob entries of the prompt tokens that follow the tokens this row ran."""
+                rows.append((spec.params, seed, seq.prompt_token_ids, seq.output_token_ids))
+        if not rows:
+            return
+        n = bucket(len(rows))
+        idx = np.zeros(n, np.int32)
+        idx[: len(rows)] = logit_rows
+        tensors = SamplingTensors.from_params(rows, self.config.vocab_size, pad_to=n, eos_token_id=eos_token_id,
+                                              engine_seed=self.seed, step=self._sample_step,
+                                              num_top=pow2_bucket(num_top) if num_top else 0)
+        self._sample_step += 1
+        # Every row samples (the usual case): the logits are already in order; padded rows are ignored.
+        same = n == logits.shape[0] and np.array_equal(idx[: len(rows)], np.arange(len(rows)))
+        ids, lps, top_ids, top_lps = jax.device_get(sample(logits if same else _take_rows(logits, idx), tensors))
+        for r, i in enumerate(picks):
+            spec = sampling[i]
+            entry = None if spec.logprobs is None else make_logprobs_dict(ids[r], lps[r], top_ids[r], top_lps[r],
+                                                                          spec.logprobs)
+            cands = None
+            if spec.num_candidates:
+                k = spec.num_candidates
+                cands = ([int(t) for t in top_ids[r][:k]], [float(v) for v in top_lps[r][:k]])
+            result.samples.setdefault(i, []).append(Sample(int(ids[r]), float(lps[r]), entry, cands))
+
+    def _prompt_logprobs(self, row, want: int, logits, batch: Batch, i: int) -> list[dict[int, float]]:
+        """Top-``want`` logprob entries of the prompt tokens that follow the tokens this row ran."""
         start = int(batch.logits_indices[i]) - row.num_tokens + 1
         tokens = row.seq.get_token_ids()
         # Token at position p predicts the token at p + 1; only prompt tokens are scored.
@@ -304,7 +282,6 @@ class ModelRunner:
         n = last - row.start_pos
         if n <= 0:
             return []
-        want = row.group.sampling_params.prompt_logprobs
         # Pad to a bucket so that prompt lengths do not each compile their own shape.
         nb = bucket(n)
         targets = np.zeros(nb, np.int32)
