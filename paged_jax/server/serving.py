@@ -6,15 +6,23 @@ cumulative; streaming sends the new text of each choice as a server-sent
 event and ends with ``data: [DONE]``. While a stop string could still be
 forming, the last ``len(stop) - 1`` characters are held back, so streamed
 text never has to be taken back.
+
+Tokenization and chat-template rendering run in one worker thread with its own
+tokenizer copy, so a long prompt never stalls the event loop (other streams,
+``/health``). The disconnect watcher starts before the first prompt is queued, so a
+batched completion whose client goes away stops queueing and aborts all its prompts.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
+import logging
 import re
 import time
 import uuid
-from typing import AsyncIterator, Optional
+from concurrent.futures import ThreadPoolExecutor
+from typing import AsyncIterator, Callable, Optional, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -28,6 +36,12 @@ from paged_jax.server.responses import (ChoiceState, chat_logprobs, completion_l
 
 _FIELD_RE = re.compile(r"^(\w+)")
 _DISCONNECTED = object()  # put in a request's output queue when its client goes away
+logger = logging.getLogger("paged_jax.server")
+T = TypeVar("T")
+
+
+class _ClientGone(Exception):
+    """The client disconnected while its prompts were being queued."""
 
 
 class _AbortOnCloseResponse(StreamingResponse):
@@ -50,6 +64,10 @@ class OpenAIServing:
                  chat_template: Optional[str] = None, disconnect_poll_s: float = 0.5):
         self.engine = engine
         self.tokenizer = tokenizer  # a copy owned by the event loop (the engine thread has its own)
+        # Prompts are tokenized (and chat templates rendered) off the event loop, in one thread
+        # with a tokenizer of its own: HF tokenizers are not safe to share between threads.
+        self._encoder = copy.deepcopy(tokenizer)
+        self._encode_pool = ThreadPoolExecutor(1, thread_name_prefix="paged-jax-tokenize")
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.chat_template = chat_template
@@ -67,6 +85,19 @@ class OpenAIServing:
                            404, param="model", code="model_not_found")
 
     # ---- request -> engine ---------------------------------------------------------------
+    async def _off_loop(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` (tokenization, template rendering) in the tokenizer thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._encode_pool, fn)
+
+    def _encode(self, text: str, field: str) -> list[int]:
+        """Tokenize client text (in the tokenizer thread); a tokenizer failure is the input's fault: 400."""
+        try:
+            return self._encoder.encode(text)
+        except Exception as exc:
+            logger.warning("could not tokenize the %s: %s: %s", field, type(exc).__name__, exc)
+            raise APIError(f"The {field} could not be tokenized ({type(exc).__name__}); send valid "
+                           "Unicode text.", 400, param=field) from None
+
     @staticmethod
     def _field_of(message: str, rename: Optional[dict] = None) -> Optional[str]:
         m = _FIELD_RE.match(message)
@@ -107,11 +138,12 @@ class OpenAIServing:
                            param="max_tokens", code="context_length_exceeded")
 
     async def _submit(self, base_id: str, prompts: list[tuple[Optional[str], list[int]]], params: SamplingParams,
-                      field: str) -> tuple[asyncio.Queue, list[RequestStream]]:
-        sink: asyncio.Queue = asyncio.Queue()
+                      field: str, sink: asyncio.Queue, watcher: asyncio.Task) -> list[RequestStream]:
         streams: list[RequestStream] = []
         try:
             for i, (text, ids) in enumerate(prompts):
+                if watcher.done():  # the client left while its prompts were being queued
+                    raise _ClientGone()
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
                 streams.append(await self.engine.add_request(rid, text, params, ids, sink=sink, index=i))
         except ValueError as exc:
@@ -124,7 +156,7 @@ class OpenAIServing:
         except BaseException:
             self._abort(streams)
             raise
-        return sink, streams
+        return streams
 
     def _abort(self, streams: list[RequestStream]) -> None:
         for s in streams:
@@ -161,8 +193,9 @@ class OpenAIServing:
                 if _DISCONNECTED in latest.values():
                     return  # the finally clause aborts
                 for i, item in latest.items():
-                    if isinstance(item, BaseException):
-                        raise APIError(f"the engine failed: {item}", 503) from None
+                    if isinstance(item, BaseException):  # the engine stopped (its error is in the log)
+                        raise APIError("The engine stopped after an internal error; the server is shutting "
+                                       "down.", 503) from None
                     err = self._rejection(item, field)
                     if err is not None:
                         raise err
@@ -174,9 +207,17 @@ class OpenAIServing:
     async def _respond(self, req, request_id: str, prompts, params: SamplingParams, field: str, raw: Request,
                        render_full, render_chunks):
         """Run the prompts; JSON for stream=false, server-sent events for stream=true."""
-        sink, streams = await self._submit(request_id, prompts, params, field)
         gone = JSONResponse(APIError("client disconnected", 400).body(), 400)
+        sink: asyncio.Queue = asyncio.Queue()
         watcher = asyncio.create_task(self._watch_disconnect(raw, sink))
+        try:
+            streams = await self._submit(request_id, prompts, params, field, sink, watcher)
+        except _ClientGone:
+            watcher.cancel()
+            return gone
+        except BaseException:
+            watcher.cancel()
+            raise
         outputs = self._outputs(sink, streams, field)
         try:
             if not req.stream:
@@ -239,7 +280,7 @@ class OpenAIServing:
             raise APIError("suffix is not supported by this server", 400, param="suffix")
         params = self._sampling_params(req, req.max_tokens, req.logprobs,
                                        prompt_logprobs=req.logprobs if req.echo else None)
-        prompts = self._completion_prompts(req.prompt)
+        prompts = await self._off_loop(lambda: self._completion_prompts(req.prompt))
         for _, ids in prompts:
             self._check_length(len(ids), params.max_tokens, "prompt")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -290,7 +331,7 @@ class OpenAIServing:
 
     def _completion_prompts(self, prompt) -> list[tuple[Optional[str], list[int]]]:
         if isinstance(prompt, str):
-            return [(prompt, self.tokenizer.encode(prompt))]
+            return [(prompt, self._encode(prompt, "prompt"))]
         if not prompt:
             raise APIError("prompt must not be empty", 400, param="prompt")
         if isinstance(prompt[0], int):
@@ -298,7 +339,7 @@ class OpenAIServing:
         out = []
         for p in prompt:
             if isinstance(p, str):
-                out.append((p, self.tokenizer.encode(p)))
+                out.append((p, self._encode(p, "prompt")))
             elif not p:
                 raise APIError("prompt must not contain an empty list of token ids", 400, param="prompt")
             else:
@@ -317,8 +358,7 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling_params(req, max_tokens, top, rename={"logprobs": "top_logprobs"})
-        text = self._render_chat(req)
-        ids = self.tokenizer.encode(text)
+        text, ids = await self._off_loop(lambda: self._chat_prompt(req))
         self._check_length(len(ids), params.max_tokens, "messages")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
@@ -350,8 +390,13 @@ class OpenAIServing:
         return await self._respond(req, rid, [(text, ids)], params, "messages", raw, full,
                                    lambda first, outs: self._stream_choices(first, outs, params, chunk, usage))
 
+    def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
+        """The chat prompt's text and token ids (in the tokenizer thread)."""
+        text = self._render_chat(req)
+        return text, self._encode(text, "messages")
+
     def _render_chat(self, req: ChatCompletionRequest) -> str:
-        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
+        template = self.chat_template or getattr(self._encoder, "chat_template", None)
         if not template:
             raise APIError("This model's tokenizer has no chat template, so chat messages cannot be turned into "
                            "a prompt. Use /v1/completions with a prompt, or start the server with "
@@ -369,7 +414,7 @@ class OpenAIServing:
                 msg["content"] = "\n".join(parts)
             messages.append(msg)
         try:
-            return self.tokenizer.apply_chat_template(
+            return self._encoder.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
                 chat_template=template, **(req.chat_template_kwargs or {}))
         except Exception as exc:  # a template error (raise_exception in the template, bad kwargs)
