@@ -191,6 +191,7 @@ class LLMEngine:
         bad = [t for t in sampling_params.stop_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids hold ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        self._check_fits(len(prompt_token_ids), sampling_params.max_tokens)
         seq = Sequence(next(self._seq_counter), prompt_token_ids)
         seq.prefix_offset = max(len(prompt_token_ids) - 5, 0)
         seq.read_offset = len(prompt_token_ids)
@@ -202,6 +203,21 @@ class LLMEngine:
         if sampling_params.prompt_logprobs is not None:
             self._prompt_logprobs[request_id] = [None]
         self.scheduler.add_seq_group(group)
+
+    def _check_fits(self, prompt_len: int, max_tokens: Optional[int]) -> None:
+        """Refuse up front a request whose prompt plus max_tokens can never fit in the KV cache, as
+        vLLM does, rather than cut it short later. (A prompt that alone does not fit is ended by the
+        scheduler, finish reason "length" with a message; without max_tokens a request may still
+        outgrow the cache, and then ends the same way.)"""
+        bs, have = self.block_manager.block_size, self.block_manager.gpu_allocator.num_total_blocks
+        room = have * bs - prompt_len  # the most tokens one sequence can generate
+        if max_tokens is None or room < 1:
+            return
+        total = min(prompt_len + max_tokens, self.scheduler_config.max_model_len)
+        if -(-total // bs) > have:
+            raise ValueError(f"max_tokens={max_tokens} can never fit in the KV cache: the prompt ({prompt_len} "
+                             f"tokens) and the completion need {-(-total // bs)} blocks of {bs} tokens, the cache "
+                             f"holds {have}; lower max_tokens to at most {room}")
 
     def _stop_token_ids(self, p: SamplingParams) -> set[int]:
         return set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))

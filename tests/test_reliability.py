@@ -116,3 +116,15 @@ def test_interrupted_generate_leaves_no_request_and_no_block(llm, monkeypatch, e
     monkeypatch.undo()
     _assert_clean(engine)
     assert llm.generate("hi", GREEDY, use_tqdm=False)[0].outputs[0].finish_reason == "length"
+
+
+def test_a_request_that_can_never_fit_is_refused_up_front(tiny_llama_dir):
+    """No silent truncation: prompt + max_tokens beyond the whole KV cache is a ValueError naming
+    max_tokens and the most that fits; a request that fits exactly runs to max_tokens."""
+    llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=6, block_size=4)  # 5 usable blocks: 20 tokens
+    with pytest.raises(ValueError, match=r"max_tokens=18 can never fit in the KV cache.*at most 17"):
+        llm.generate(prompt_token_ids=[[5, 6, 7]], sampling_params=SamplingParams(max_tokens=18), use_tqdm=False)
+    out = llm.generate(prompt_token_ids=[[5, 6, 7]], use_tqdm=False,
+                       sampling_params=SamplingParams(temperature=0, max_tokens=17, ignore_eos=True))[0]
+    assert len(out.outputs[0].token_ids) == 17 and out.outputs[0].finish_reason == "length"
+    _assert_clean(llm.llm_engine)
