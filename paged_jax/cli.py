@@ -82,7 +82,8 @@ def cmd_serve(a) -> int:
                       access_log=not a.disable_uvicorn_access_log, max_request_body_bytes=body_limit)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser (``make-tiny``'s options are parsed by ``paged_jax.models.tiny``)."""
     ap = argparse.ArgumentParser(prog="paged-jax", description="PagedAttention / vLLM-style serving in JAX")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate completions for a batch of prompts (offline, like LLM.generate)")
@@ -111,6 +112,11 @@ def main(argv=None) -> int:
     # make-tiny's options belong to paged_jax.models.tiny, which parses (and documents, --help) them.
     sub.add_parser("make-tiny", add_help=False,
                    help="write a tiny random HF model folder (llama, opt or gpt2) offline; --help for options")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
     a, rest = ap.parse_known_args(argv)
     if a.cmd == "make-tiny":
         from paged_jax.models.tiny import main as tiny_main
