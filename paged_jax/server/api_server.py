@@ -181,7 +181,8 @@ def build_app(engine, served_model_name: str, api_key: Optional[str] = None,
     @app.get("/health")
     async def health():
         if not async_engine.is_running:
-            raise APIError(f"the engine is not running ({async_engine.error!r})", 503)
+            why = " (it stopped after an internal error; see the server log)" if async_engine.error else ""
+            raise APIError(f"the engine is not running{why}", 503)
         return Response(status_code=200)
 
     @app.get("/metrics")
