@@ -150,6 +150,7 @@ def build_app(engine, served_model_name: str, api_key: Optional[str] = None,
             yield
         finally:
             async_engine.shutdown()
+            serving.close()
 
     app = FastAPI(title="paged-jax", lifespan=lifespan)
     app.state.async_engine = async_engine

@@ -74,6 +74,10 @@ class OpenAIServing:
         self.disconnect_poll_s = disconnect_poll_s
         self.created = int(time.time())
 
+    def close(self) -> None:
+        """Stop the tokenizer thread (the app's lifespan ends)."""
+        self._encode_pool.shutdown(wait=False, cancel_futures=True)
+
     # ---- /v1/models ----------------------------------------------------------------
     def model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "paged-jax",
