@@ -105,7 +105,7 @@ def test_body_size_limit(client):
 def test_tokenization_does_not_block_the_event_loop(client, monkeypatch):
     serving = client.app_ref.state.serving
     entered, release = threading.Event(), threading.Event()
-    real = serving._encoder.encode
+    real = serving.prompts.tokenizer.encode
 
     def slow_encode(text, *a, **kw):
         if text == "slow prompt":
@@ -113,7 +113,7 @@ def test_tokenization_does_not_block_the_event_loop(client, monkeypatch):
             release.wait(10)
         return real(text, *a, **kw)
 
-    monkeypatch.setattr(serving._encoder, "encode", slow_encode)
+    monkeypatch.setattr(serving.prompts.tokenizer, "encode", slow_encode)
     done = {}
     t = threading.Thread(target=lambda: done.setdefault("r", client.post(
         "/v1/completions", json={"model": "tiny", "prompt": "slow prompt", "max_tokens": 2})))

@@ -7,22 +7,17 @@ event and ends with ``data: [DONE]``. While a stop string could still be
 forming, the last ``len(stop) - 1`` characters are held back, so streamed
 text never has to be taken back.
 
-Tokenization and chat-template rendering run in one worker thread with its own
-tokenizer copy, so a long prompt never stalls the event loop (other streams,
-``/health``). The disconnect watcher starts before the first prompt is queued, so a
+Prompts are tokenized off the event loop (see :mod:`paged_jax.server.prompts`). The disconnect watcher starts before the first prompt is queued, so a
 batched completion whose client goes away stops queueing and aborts all its prompts.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
-import logging
 import re
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
-from typing import AsyncIterator, Callable, Optional, TypeVar
+from typing import AsyncIterator, Optional
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -30,14 +25,13 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from paged_jax.outputs import CompletionOutput, RequestOutput
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.server.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from paged_jax.server.prompts import PromptBuilder
 from paged_jax.server.protocol import SAMPLING_FIELDS, APIError, ChatCompletionRequest, CompletionRequest
 from paged_jax.server.responses import (ChoiceState, chat_logprobs, completion_logprobs, merge_logprobs,
                                         prompt_logprobs_legacy, sse)
 
 _FIELD_RE = re.compile(r"^(\w+)")
 _DISCONNECTED = object()  # put in a request's output queue when its client goes away
-logger = logging.getLogger("paged_jax.server")
-T = TypeVar("T")
 
 
 class _ClientGone(Exception):
@@ -64,19 +58,15 @@ class OpenAIServing:
                  chat_template: Optional[str] = None, disconnect_poll_s: float = 0.5):
         self.engine = engine
         self.tokenizer = tokenizer  # a copy owned by the event loop (the engine thread has its own)
-        # Prompts are tokenized (and chat templates rendered) off the event loop, in one thread
-        # with a tokenizer of its own: HF tokenizers are not safe to share between threads.
-        self._encoder = copy.deepcopy(tokenizer)
-        self._encode_pool = ThreadPoolExecutor(1, thread_name_prefix="paged-jax-tokenize")
+        self.prompts = PromptBuilder(tokenizer, chat_template)  # tokenizes in a thread of its own
         self.model_name = model_name
         self.max_model_len = max_model_len
-        self.chat_template = chat_template
         self.disconnect_poll_s = disconnect_poll_s
         self.created = int(time.time())
 
     def close(self) -> None:
         """Stop the tokenizer thread (the app's lifespan ends)."""
-        self._encode_pool.shutdown(wait=False, cancel_futures=True)
+        self.prompts.close()
 
     # ---- /v1/models ----------------------------------------------------------------
     def model_card(self) -> dict:
@@ -89,19 +79,6 @@ class OpenAIServing:
                            404, param="model", code="model_not_found")
 
     # ---- request -> engine ---------------------------------------------------------------
-    async def _off_loop(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` (tokenization, template rendering) in the tokenizer thread."""
-        return await asyncio.get_running_loop().run_in_executor(self._encode_pool, fn)
-
-    def _encode(self, text: str, field: str) -> list[int]:
-        """Tokenize client text (in the tokenizer thread); a tokenizer failure is the input's fault: 400."""
-        try:
-            return self._encoder.encode(text)
-        except Exception as exc:
-            logger.warning("could not tokenize the %s: %s: %s", field, type(exc).__name__, exc)
-            raise APIError(f"The {field} could not be tokenized ({type(exc).__name__}); send valid "
-                           "Unicode text.", 400, param=field) from None
-
     @staticmethod
     def _field_of(message: str, rename: Optional[dict] = None) -> Optional[str]:
         m = _FIELD_RE.match(message)
@@ -284,7 +261,7 @@ class OpenAIServing:
             raise APIError("suffix is not supported by this server", 400, param="suffix")
         params = self._sampling_params(req, req.max_tokens, req.logprobs,
                                        prompt_logprobs=req.logprobs if req.echo else None)
-        prompts = await self._off_loop(lambda: self._completion_prompts(req.prompt))
+        prompts = await self.prompts.completion(req.prompt)
         for _, ids in prompts:
             self._check_length(len(ids), params.max_tokens, "prompt")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -333,23 +310,6 @@ class OpenAIServing:
         return await self._respond(req, rid, prompts, params, "prompt", raw, full,
                                    lambda first, outs: self._stream_choices(first, outs, params, chunk, usage))
 
-    def _completion_prompts(self, prompt) -> list[tuple[Optional[str], list[int]]]:
-        if isinstance(prompt, str):
-            return [(prompt, self._encode(prompt, "prompt"))]
-        if not prompt:
-            raise APIError("prompt must not be empty", 400, param="prompt")
-        if isinstance(prompt[0], int):
-            return [(None, list(prompt))]
-        out = []
-        for p in prompt:
-            if isinstance(p, str):
-                out.append((p, self._encode(p, "prompt")))
-            elif not p:
-                raise APIError("prompt must not contain an empty list of token ids", 400, param="prompt")
-            else:
-                out.append((None, list(p)))
-        return out
-
     # ---- /v1/chat/completions -------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
@@ -362,7 +322,7 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling_params(req, max_tokens, top, rename={"logprobs": "top_logprobs"})
-        text, ids = await self._off_loop(lambda: self._chat_prompt(req))
+        text, ids = await self.prompts.chat(req)
         self._check_length(len(ids), params.max_tokens, "messages")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
@@ -393,33 +353,3 @@ class OpenAIServing:
         usage = (lambda p, c: {**chunk_head, "choices": [], "usage": self._usage(p, c)}) if include_usage else None
         return await self._respond(req, rid, [(text, ids)], params, "messages", raw, full,
                                    lambda first, outs: self._stream_choices(first, outs, params, chunk, usage))
-
-    def _chat_prompt(self, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-        """The chat prompt's text and token ids (in the tokenizer thread)."""
-        text = self._render_chat(req)
-        return text, self._encode(text, "messages")
-
-    def _render_chat(self, req: ChatCompletionRequest) -> str:
-        template = self.chat_template or getattr(self._encoder, "chat_template", None)
-        if not template:
-            raise APIError("This model's tokenizer has no chat template, so chat messages cannot be turned into "
-                           "a prompt. Use /v1/completions with a prompt, or start the server with "
-                           "--chat-template.", 400, param="messages", code="no_chat_template")
-        messages = []
-        for i, m in enumerate(req.messages):
-            msg = m.model_dump(exclude_none=True)
-            if isinstance(m.content, list):
-                parts = []
-                for part in m.content:
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise APIError(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) "
-                                       f"are supported, got {part!r}", 400, param="messages")
-                    parts.append(part["text"])
-                msg["content"] = "\n".join(parts)
-            messages.append(msg)
-        try:
-            return self._encoder.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
-                chat_template=template, **(req.chat_template_kwargs or {}))
-        except Exception as exc:  # a template error (raise_exception in the template, bad kwargs)
-            raise APIError(f"the chat template failed on these messages: {exc}", 400, param="messages") from None
