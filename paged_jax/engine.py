@@ -23,6 +23,8 @@ from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
 from paged_jax.text import check_stop, detokenize_incrementally
 
 logger = logging.getLogger("paged_jax")
+# How the finish_message of a request ended by per-request fault isolation starts (see _fail_request).
+REQUEST_FAILED = "request failed while processing its output"
 
 
 @dataclass
@@ -418,7 +420,7 @@ class LLMEngine:
         logger.error("request %s failed and was aborted: %s: %s", group.request_id, type(exc).__name__, exc,
                      exc_info=exc)
         self._failed.add(group.request_id)
-        group.finish_message = f"request failed while processing its output: {type(exc).__name__}: {exc}"
+        group.finish_message = f"{REQUEST_FAILED}: {type(exc).__name__}: {exc}"
         for seq in group.get_unfinished_seqs():
             seq.status = SequenceStatus.FINISHED_ABORTED
 

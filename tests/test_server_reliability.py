@@ -222,3 +222,24 @@ def test_engine_death_health_metrics_and_exit_status(tiny_llama_dir, monkeypatch
 
 def test_metrics_say_the_engine_is_healthy(client):
     assert "paged_jax_engine_healthy 1.0" in client.get("/metrics").text
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_request_that_fails_inside_the_engine_fails_alone(client, engine, monkeypatch, stream):
+    """Fault injection behind the server: that request gets a 500 (an error event when streaming) that
+    names no internals; the engine goes on serving the others."""
+    real = engine._detokenize
+
+    def detokenize(seq, params):
+        if params.max_tokens == 7:  # the doomed request
+            raise RuntimeError("secret detail")
+        return real(seq, params)
+
+    monkeypatch.setattr(engine, "_detokenize", detokenize)
+    r = client.post("/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 7, "stream": stream})
+    if stream:
+        assert r.status_code == 500 or ('"error"' in r.text and r.text.rstrip().endswith("[DONE]")), r.text
+    else:
+        _error(r, 500)
+    assert "secret" not in r.text
+    _ok(client)

@@ -22,6 +22,7 @@ from typing import AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from paged_jax.engine import REQUEST_FAILED
 from paged_jax.outputs import CompletionOutput, RequestOutput
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.server.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
@@ -146,7 +147,12 @@ class OpenAIServing:
 
     @staticmethod
     def _rejection(out: RequestOutput, field: str) -> Optional[APIError]:
-        """The engine ended the request before it generated anything, saying why (e.g. best_of > max_num_seqs)."""
+        """The engine ended the request before it generated anything, saying why (e.g. best_of > max_num_seqs),
+        or after an internal error in its own processing."""
+        if out.finished and out.finish_message and out.finish_message.startswith(REQUEST_FAILED):
+            # The engine ended this request alone after an internal error (the others go on).
+            return APIError("The server had an error while processing this request; it is in the server log.",
+                            500)
         if out.finished and out.finish_message and not any(c.token_ids for c in out.outputs):
             name = OpenAIServing._field_of(out.finish_message)
             return APIError(out.finish_message, 400, param=name or field)
