@@ -72,7 +72,13 @@ class StepDecision:
 
 
 def normalized_score(score, generated_len: int, length_penalty: float) -> np.float32:
-    return _f32(_f32(score) / _f32(generated_len ** length_penalty))
+    """``score / generated_len ** length_penalty`` in float32, as transformers ranks hypotheses.
+
+    The power is taken in numpy float64, which saturates to inf (or 0) where Python's ``**``
+    would raise OverflowError for a large penalty or length; the float32 ratio then saturates
+    to 0 or -inf, so such a search still ranks its hypotheses and never raises."""
+    with np.errstate(over="ignore", under="ignore", divide="ignore", invalid="ignore"):
+        return _f32(_f32(score) / _f32(np.float64(generated_len) ** length_penalty))
 
 
 def beam_step(state: BeamState, beam_scores: list[float], candidates: list[tuple[list[int], list[float]]],

@@ -68,19 +68,22 @@ def cmd_generate(a) -> int:
 def cmd_serve(a) -> int:
     import os
 
-    from paged_jax.server.api_server import run_server
+    from paged_jax.server.api_server import DEFAULT_MAX_REQUEST_BODY_BYTES, run_server
 
     template = a.chat_template
     if template and os.path.isfile(template):
         with open(template) as f:
             template = f.read()
-    run_server(_llm(a).llm_engine, host=a.host, port=a.port, api_key=a.api_key or os.environ.get("PAGED_JAX_API_KEY"),
-               served_model_name=a.served_model_name, chat_template=template, log_level=a.log_level,
-               access_log=not a.disable_uvicorn_access_log)
-    return 0
+    body_limit = DEFAULT_MAX_REQUEST_BODY_BYTES if a.max_request_body_bytes is None else a.max_request_body_bytes
+    # Non-zero when the engine died (a failed device step): a supervisor should restart the server.
+    return run_server(_llm(a).llm_engine, host=a.host, port=a.port,
+                      api_key=a.api_key or os.environ.get("PAGED_JAX_API_KEY"),
+                      served_model_name=a.served_model_name, chat_template=template, log_level=a.log_level,
+                      access_log=not a.disable_uvicorn_access_log, max_request_body_bytes=body_limit)
 
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The command line's parser (``make-tiny``'s options are parsed by ``paged_jax.models.tiny``)."""
     ap = argparse.ArgumentParser(prog="paged-jax", description="PagedAttention / vLLM-style serving in JAX")
     sub = ap.add_subparsers(dest="cmd", required=True)
     g = sub.add_parser("generate", help="generate completions for a batch of prompts (offline, like LLM.generate)")
@@ -104,14 +107,24 @@ def main(argv=None) -> int:
     s.add_argument("--chat-template", default=None, help="Jinja chat template (text or file) if the tokenizer has none")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
-    t = sub.add_parser("make-tiny", help="write a tiny random HF model folder (llama, opt or gpt2) offline")
-    t.add_argument("rest", nargs=argparse.REMAINDER)
-    a = ap.parse_args(argv)
+    s.add_argument("--max-request-body-bytes", type=int, default=None,
+                   help="larger request bodies get 413 (default: 4 MiB)")
+    # make-tiny's options belong to paged_jax.models.tiny, which parses (and documents, --help) them.
+    sub.add_parser("make-tiny", add_help=False,
+                   help="write a tiny random HF model folder (llama, opt or gpt2) offline; --help for options")
+    return ap
+
+
+def main(argv=None) -> int:
+    ap = build_parser()
+    a, rest = ap.parse_known_args(argv)
     if a.cmd == "make-tiny":
         from paged_jax.models.tiny import main as tiny_main
 
-        tiny_main(a.rest)
+        tiny_main(rest)
         return 0
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
     if a.cmd == "convert":
         from paged_jax.parallel.checkpoint import convert
 

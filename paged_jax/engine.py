@@ -25,6 +25,8 @@ from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
 from paged_jax.text import check_stop, detokenize_incrementally
 
 logger = logging.getLogger("paged_jax")
+# How the finish_message of a request ended by per-request fault isolation starts (see _fail_request).
+REQUEST_FAILED = "request failed while processing its output"
 
 
 @dataclass
@@ -189,6 +191,12 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not 0 <= t < self.vocab_size]
         if bad:
             raise ValueError(f"prompt_token_ids hold ids outside [0, {self.vocab_size}): {bad[:5]}")
+        # The sampler packs stop ids into int32 arrays indexed by token: an id outside the
+        # vocabulary would fail (or wrap) inside step(), for every request in the batch.
+        bad = [t for t in sampling_params.stop_token_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"stop_token_ids hold ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
+        self._check_fits(len(prompt_token_ids), sampling_params.max_tokens)
         seq = Sequence(next(self._seq_counter), prompt_token_ids)
         seq.prefix_offset = max(len(prompt_token_ids) - 5, 0)
         seq.read_offset = len(prompt_token_ids)
@@ -200,6 +208,21 @@ class LLMEngine:
         if sampling_params.prompt_logprobs is not None:
             self._prompt_logprobs[request_id] = [None]
         self.scheduler.add_seq_group(group)
+
+    def _check_fits(self, prompt_len: int, max_tokens: Optional[int]) -> None:
+        """Refuse up front a request whose prompt plus max_tokens can never fit in the KV cache, as
+        vLLM does, rather than cut it short later. (A prompt that alone does not fit is ended by the
+        scheduler, finish reason "length" with a message; without max_tokens a request may still
+        outgrow the cache, and then ends the same way.)"""
+        bs, have = self.block_manager.block_size, self.block_manager.gpu_allocator.num_total_blocks
+        room = have * bs - prompt_len  # the most tokens one sequence can generate
+        if max_tokens is None or room < 1:
+            return
+        total = min(prompt_len + max_tokens, self.scheduler_config.max_model_len)
+        if -(-total // bs) > have:
+            raise ValueError(f"max_tokens={max_tokens} can never fit in the KV cache: the prompt ({prompt_len} "
+                             f"tokens) and the completion need {-(-total // bs)} blocks of {bs} tokens, the cache "
+                             f"holds {have}; lower max_tokens to at most {room}")
 
     def _stop_token_ids(self, p: SamplingParams) -> set[int]:
         return set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))
@@ -252,6 +275,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """One iteration. Returns the outputs of the requests it touched (finished ones last time)."""
         pending, self._pending_outputs = self._pending_outputs, []
+        self._failed: set[str] = set()  # requests whose processing raised this step (see _fail_request)
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         self.num_steps += 1
@@ -289,7 +313,13 @@ class LLMEngine:
             if self.block_manager.has_seq(row.seq):
                 self.block_manager.mark_blocks_computed(row.seq)
         for rid, rows in beam_rows.items():
-            fork_copies += self._beam_step(touched[rid], rows)
+            try:
+                fork_copies += self._beam_step(touched[rid], rows)
+            except Exception as exc:
+                self._fail_request(touched[rid], exc)
+        for rid in self._failed:  # samples forked after the failure inherit nothing: end them all
+            for seq in touched[rid].get_unfinished_seqs():
+                seq.status = SequenceStatus.FINISHED_ABORTED
         if fork_copies:  # without block sharing, forked sequences get copies of their parents' blocks
             self.runner.execute(SchedulerOutput(blocks_to_copy=fork_copies), [])
         for group in touched.values():
@@ -394,10 +424,27 @@ class LLMEngine:
         return copies
 
     def _append(self, seq: Sequence, smp, group: SequenceGroup) -> None:
-        seq.append_token_id(smp.token_id, smp.logprob, smp.logprobs)
-        self.num_generated_tokens += 1
-        new_text = self._detokenize(seq, group.sampling_params)
-        check_stop(seq, group.sampling_params, new_text, self.eos_token_ids, self.scheduler_config.max_model_len)
+        if group.request_id in self._failed:
+            return
+        try:
+            seq.append_token_id(smp.token_id, smp.logprob, smp.logprobs)
+            self.num_generated_tokens += 1
+            new_text = self._detokenize(seq, group.sampling_params)
+            check_stop(seq, group.sampling_params, new_text, self.eos_token_ids, self.scheduler_config.max_model_len)
+        except Exception as exc:
+            self._fail_request(group, exc)
+
+    def _fail_request(self, group: SequenceGroup, exc: Exception) -> None:
+        """Per-request fault isolation: processing one request's new token raised (detokenization,
+        stop checks, beam bookkeeping). That request ends with finish reason "abort" and a message
+        naming the cause; step() frees its blocks and the other requests go on. Failures of the
+        device step itself still propagate: then the engine's state is unknown."""
+        logger.error("request %s failed and was aborted: %s: %s", group.request_id, type(exc).__name__, exc,
+                     exc_info=exc)
+        self._failed.add(group.request_id)
+        group.finish_message = f"{REQUEST_FAILED}: {type(exc).__name__}: {exc}"
+        for seq in group.get_unfinished_seqs():
+            seq.status = SequenceStatus.FINISHED_ABORTED
 
     def _detokenize(self, seq: Sequence, params: SamplingParams) -> str:
         """Incremental detokenization: emit text only once it is stable (no partial UTF-8).

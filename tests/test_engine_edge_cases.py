@@ -26,7 +26,7 @@ def test_groups_sharing_a_pinned_prefix_swap_out_together(hf_model_dir):
 def test_group_that_outgrows_the_cache_ends_instead_of_hanging(tiny_llama_dir):
     llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=6, block_size=4)
     out = llm.generate(prompt_token_ids=[[5, 6, 7]], use_tqdm=False,
-                       sampling_params=SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=40, ignore_eos=True))
+                       sampling_params=SamplingParams(n=2, temperature=1.0, seed=0, max_tokens=None, ignore_eos=True))
     assert out[0].finished and "outgrew" in out[0].finish_message
     assert all(o.finish_reason == "length" for o in out[0].outputs)
     assert_all_free(llm)

@@ -322,17 +322,17 @@ def test_body_must_be_json(server):
 def test_chat_template_option_and_text_parts(tiny_llama_dir):
     from transformers import AutoTokenizer
 
+    from paged_jax.server.prompts import PromptBuilder
     from paged_jax.server.protocol import APIError, ChatCompletionRequest
-    from paged_jax.server.serving import OpenAIServing
 
     tok = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
     tok.chat_template = None
     req = ChatCompletionRequest(model=MODEL, messages=[
         {"role": "user", "content": [{"type": "text", "text": "Hi"}, {"type": "text", "text": "there"}]}])
     with pytest.raises(APIError, match="no chat template"):
-        OpenAIServing(None, tok, MODEL, 64)._render_chat(req)
+        PromptBuilder(tok)._render_chat(req)
     template = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}{% endfor %}"
-    assert OpenAIServing(None, tok, MODEL, 64, chat_template=template)._render_chat(req) == "<user>Hi\nthere"
+    assert PromptBuilder(tok, chat_template=template)._render_chat(req) == "<user>Hi\nthere"
 
 
 def test_openai_client_sees_errors(server):

@@ -85,6 +85,9 @@ class AsyncLLMEngine:
         self._thread: Optional[threading.Thread] = None
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self.error: Optional[BaseException] = None
+        # Called (in the engine thread) once the engine has stopped after a failed step; the server
+        # uses it to exit non-zero so that a supervisor restarts it.
+        self.on_fatal: Optional[Callable[[BaseException], object]] = None
         self.stats: dict = engine.get_stats()  # snapshot, replaced (never mutated) by the engine thread
         self._stats_time = time.monotonic()
 
@@ -161,6 +164,8 @@ class AsyncLLMEngine:
                     logger.exception("engine step failed; failing every request")
                     self.error = exc
                     self._fail_all(EngineDeadError(f"engine step failed: {exc!r}"))
+                    if self.on_fatal is not None:
+                        self.on_fatal(exc)
                     continue
                 self._deliver(outputs)
             # get_stats() walks the block tables: refresh the snapshot a few times a second, and when idle.

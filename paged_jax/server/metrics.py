@@ -28,6 +28,8 @@ class _EngineStatsCollector:
     def collect(self):
         s = self._get_stats()
         gauges = [
+            ("engine_healthy", "1 while the engine thread serves requests; 0 once it has stopped (after a "
+             "failed device step the other values are frozen at that moment).", s.get("engine_healthy", 1)),
             ("num_requests_running", "Requests in the running queue.", s["num_running"]),
             ("num_requests_waiting", "Requests waiting to be scheduled.", s["num_waiting"]),
             ("num_requests_swapped", "Requests swapped out to host memory.", s["num_swapped"]),

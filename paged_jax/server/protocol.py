@@ -100,3 +100,36 @@ SAMPLING_FIELDS = ("n", "best_of", "max_tokens", "temperature", "top_p", "presen
                    "stop", "seed", "top_k", "min_p", "repetition_penalty", "min_tokens", "stop_token_ids",
                    "ignore_eos", "skip_special_tokens", "include_stop_str_in_output", "use_beam_search",
                    "length_penalty", "early_stopping")
+
+
+def _first_surrogate(value, path: str) -> Optional[tuple[str, str]]:
+    """(path, string) of the first string in ``value`` holding a lone surrogate, else None."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return path, value
+        return None
+    if isinstance(value, dict):
+        items = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return None
+    for key, item in items:
+        key_path = f"{path}[{key}]" if isinstance(key, int) else (f"{path}.{key}" if path else str(key))
+        found = _first_surrogate(key, path) if isinstance(key, str) else None
+        found = found or _first_surrogate(item, key_path)
+        if found:
+            return found
+    return None
+
+
+def reject_surrogates(request: BaseModel) -> None:
+    """JSON's ``\\ud800`` escapes decode to lone surrogates, which are not Unicode text: no
+    tokenizer or encoder takes them. Refuse them up front, naming the field (400)."""
+    found = _first_surrogate(request.model_dump(exclude_none=True), "")
+    if found:
+        path, text = found
+        raise APIError(f"Invalid value for '{path}': the string holds a lone UTF-16 surrogate, which is not "
+                       f"valid Unicode text; got {ascii(text):.200}", 400, param=path.split(".")[0].split("[")[0])

@@ -6,6 +6,9 @@ cumulative; streaming sends the new text of each choice as a server-sent
 event and ends with ``data: [DONE]``. While a stop string could still be
 forming, the last ``len(stop) - 1`` characters are held back, so streamed
 text never has to be taken back.
+
+Prompts are tokenized off the event loop (see :mod:`paged_jax.server.prompts`). The disconnect watcher starts before the first prompt is queued, so a
+batched completion whose client goes away stops queueing and aborts all its prompts.
 """
 
 from __future__ import annotations
@@ -19,15 +22,21 @@ from typing import AsyncIterator, Optional
 from fastapi import Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from paged_jax.engine import REQUEST_FAILED
 from paged_jax.outputs import CompletionOutput, RequestOutput
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.server.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
+from paged_jax.server.prompts import PromptBuilder
 from paged_jax.server.protocol import SAMPLING_FIELDS, APIError, ChatCompletionRequest, CompletionRequest
 from paged_jax.server.responses import (ChoiceState, chat_logprobs, completion_logprobs, merge_logprobs,
                                         prompt_logprobs_legacy, sse)
 
 _FIELD_RE = re.compile(r"^(\w+)")
 _DISCONNECTED = object()  # put in a request's output queue when its client goes away
+
+
+class _ClientGone(Exception):
+    """The client disconnected while its prompts were being queued."""
 
 
 class _AbortOnCloseResponse(StreamingResponse):
@@ -50,11 +59,15 @@ class OpenAIServing:
                  chat_template: Optional[str] = None, disconnect_poll_s: float = 0.5):
         self.engine = engine
         self.tokenizer = tokenizer  # a copy owned by the event loop (the engine thread has its own)
+        self.prompts = PromptBuilder(tokenizer, chat_template)  # tokenizes in a thread of its own
         self.model_name = model_name
         self.max_model_len = max_model_len
-        self.chat_template = chat_template
         self.disconnect_poll_s = disconnect_poll_s
         self.created = int(time.time())
+
+    def close(self) -> None:
+        """Stop the tokenizer thread (the app's lifespan ends)."""
+        self.prompts.close()
 
     # ---- /v1/models ----------------------------------------------------------------
     def model_card(self) -> dict:
@@ -107,11 +120,12 @@ class OpenAIServing:
                            param="max_tokens", code="context_length_exceeded")
 
     async def _submit(self, base_id: str, prompts: list[tuple[Optional[str], list[int]]], params: SamplingParams,
-                      field: str) -> tuple[asyncio.Queue, list[RequestStream]]:
-        sink: asyncio.Queue = asyncio.Queue()
+                      field: str, sink: asyncio.Queue, watcher: asyncio.Task) -> list[RequestStream]:
         streams: list[RequestStream] = []
         try:
             for i, (text, ids) in enumerate(prompts):
+                if watcher.done():  # the client left while its prompts were being queued
+                    raise _ClientGone()
                 rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
                 streams.append(await self.engine.add_request(rid, text, params, ids, sink=sink, index=i))
         except ValueError as exc:
@@ -124,7 +138,7 @@ class OpenAIServing:
         except BaseException:
             self._abort(streams)
             raise
-        return sink, streams
+        return streams
 
     def _abort(self, streams: list[RequestStream]) -> None:
         for s in streams:
@@ -133,7 +147,12 @@ class OpenAIServing:
 
     @staticmethod
     def _rejection(out: RequestOutput, field: str) -> Optional[APIError]:
-        """The engine ended the request before it generated anything, saying why (e.g. best_of > max_num_seqs)."""
+        """The engine ended the request before it generated anything, saying why (e.g. best_of > max_num_seqs),
+        or after an internal error in its own processing."""
+        if out.finished and out.finish_message and out.finish_message.startswith(REQUEST_FAILED):
+            # The engine ended this request alone after an internal error (the others go on).
+            return APIError("The server had an error while processing this request; it is in the server log.",
+                            500)
         if out.finished and out.finish_message and not any(c.token_ids for c in out.outputs):
             name = OpenAIServing._field_of(out.finish_message)
             return APIError(out.finish_message, 400, param=name or field)
@@ -161,8 +180,9 @@ class OpenAIServing:
                 if _DISCONNECTED in latest.values():
                     return  # the finally clause aborts
                 for i, item in latest.items():
-                    if isinstance(item, BaseException):
-                        raise APIError(f"the engine failed: {item}", 503) from None
+                    if isinstance(item, BaseException):  # the engine stopped (its error is in the log)
+                        raise APIError("The engine stopped after an internal error; the server is shutting "
+                                       "down.", 503) from None
                     err = self._rejection(item, field)
                     if err is not None:
                         raise err
@@ -174,9 +194,17 @@ class OpenAIServing:
     async def _respond(self, req, request_id: str, prompts, params: SamplingParams, field: str, raw: Request,
                        render_full, render_chunks):
         """Run the prompts; JSON for stream=false, server-sent events for stream=true."""
-        sink, streams = await self._submit(request_id, prompts, params, field)
         gone = JSONResponse(APIError("client disconnected", 400).body(), 400)
+        sink: asyncio.Queue = asyncio.Queue()
         watcher = asyncio.create_task(self._watch_disconnect(raw, sink))
+        try:
+            streams = await self._submit(request_id, prompts, params, field, sink, watcher)
+        except _ClientGone:
+            watcher.cancel()
+            return gone
+        except BaseException:
+            watcher.cancel()
+            raise
         outputs = self._outputs(sink, streams, field)
         try:
             if not req.stream:
@@ -239,7 +267,7 @@ class OpenAIServing:
             raise APIError("suffix is not supported by this server", 400, param="suffix")
         params = self._sampling_params(req, req.max_tokens, req.logprobs,
                                        prompt_logprobs=req.logprobs if req.echo else None)
-        prompts = self._completion_prompts(req.prompt)
+        prompts = await self.prompts.completion(req.prompt)
         for _, ids in prompts:
             self._check_length(len(ids), params.max_tokens, "prompt")
         rid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
@@ -288,23 +316,6 @@ class OpenAIServing:
         return await self._respond(req, rid, prompts, params, "prompt", raw, full,
                                    lambda first, outs: self._stream_choices(first, outs, params, chunk, usage))
 
-    def _completion_prompts(self, prompt) -> list[tuple[Optional[str], list[int]]]:
-        if isinstance(prompt, str):
-            return [(prompt, self.tokenizer.encode(prompt))]
-        if not prompt:
-            raise APIError("prompt must not be empty", 400, param="prompt")
-        if isinstance(prompt[0], int):
-            return [(None, list(prompt))]
-        out = []
-        for p in prompt:
-            if isinstance(p, str):
-                out.append((p, self.tokenizer.encode(p)))
-            elif not p:
-                raise APIError("prompt must not contain an empty list of token ids", 400, param="prompt")
-            else:
-                out.append((None, list(p)))
-        return out
-
     # ---- /v1/chat/completions -------------------------------------------------------------
     async def chat(self, req: ChatCompletionRequest, raw: Request):
         self.check_model(req.model)
@@ -317,8 +328,7 @@ class OpenAIServing:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
         params = self._sampling_params(req, max_tokens, top, rename={"logprobs": "top_logprobs"})
-        text = self._render_chat(req)
-        ids = self.tokenizer.encode(text)
+        text, ids = await self.prompts.chat(req)
         self._check_length(len(ids), params.max_tokens, "messages")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
         head = {"id": rid, "object": "chat.completion", "created": created, "model": self.model_name}
@@ -349,28 +359,3 @@ class OpenAIServing:
         usage = (lambda p, c: {**chunk_head, "choices": [], "usage": self._usage(p, c)}) if include_usage else None
         return await self._respond(req, rid, [(text, ids)], params, "messages", raw, full,
                                    lambda first, outs: self._stream_choices(first, outs, params, chunk, usage))
-
-    def _render_chat(self, req: ChatCompletionRequest) -> str:
-        template = self.chat_template or getattr(self.tokenizer, "chat_template", None)
-        if not template:
-            raise APIError("This model's tokenizer has no chat template, so chat messages cannot be turned into "
-                           "a prompt. Use /v1/completions with a prompt, or start the server with "
-                           "--chat-template.", 400, param="messages", code="no_chat_template")
-        messages = []
-        for i, m in enumerate(req.messages):
-            msg = m.model_dump(exclude_none=True)
-            if isinstance(m.content, list):
-                parts = []
-                for part in m.content:
-                    if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise APIError(f"messages[{i}].content: only text parts ({{'type': 'text', 'text': ...}}) "
-                                       f"are supported, got {part!r}", 400, param="messages")
-                    parts.append(part["text"])
-                msg["content"] = "\n".join(parts)
-            messages.append(msg)
-        try:
-            return self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
-                chat_template=template, **(req.chat_template_kwargs or {}))
-        except Exception as exc:  # a template error (raise_exception in the template, bad kwargs)
-            raise APIError(f"the chat template failed on these messages: {exc}", 400, param="messages") from None
