@@ -61,7 +61,7 @@ def test_half_precision_close_to_float32(hf_model_dir, dtype):
     path = hf_model_dir("llama_gqa")
     c32, p32 = load_model(path, dtype="float32")
     c16, p16 = load_model(path, dtype=dtype)
-    assert c16.dtype == dtype and str(p16["embed"].dtype) == dtype
+    assert c16.dtype == dtype and str(p16["embed"].table.dtype) == dtype
     prompt = prompts_for(c32.vocab_size, lens=[9])
     a = PagedRunner(c32, p32).prefill_logits(prompt)[0]
     b = PagedRunner(c16, p16).prefill_logits(prompt)[0]
