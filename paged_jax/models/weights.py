@@ -52,6 +52,10 @@ class DenseLinear:
     def __post_init__(self):
         _check_role(self.parallel)
 
+    @property
+    def in_features(self) -> int:
+        return self.w.shape[0]
+
     def __call__(self, x):
         y = x @ self.w
         return y if self.b is None else y + self.b
@@ -68,6 +72,10 @@ class PanelLinear:
     b: Any = None
     out_features: int = 0
     parallel: Optional[str] = None
+
+    @property
+    def in_features(self) -> int:
+        return self.panels.shape[1]
 
     def __call__(self, x):
         from paged_jax import native
@@ -140,8 +148,16 @@ def linear(x, p):
 
 
 def map_weights(fn, params):
-    """``params`` with every weight object ``w`` replaced by ``fn(w)`` (other leaves unchanged)."""
-    return jax.tree_util.tree_map(lambda x: fn(x) if is_weight(x) else x, params, is_leaf=is_weight)
+    """A copy of ``params`` (nested dicts, lists, tuples) with every weight object ``w`` replaced by
+    ``fn(w)``; other leaves are kept, and so is the order of dict keys (``jax.tree_util.tree_map``
+    would sort them)."""
+    if is_weight(params):
+        return fn(params)
+    if isinstance(params, dict):
+        return {k: map_weights(fn, v) for k, v in params.items()}
+    if isinstance(params, (list, tuple)):
+        return type(params)(map_weights(fn, v) for v in params)
+    return params
 
 
 __all__ = ["DenseLinear", "PanelLinear", "DenseEmbedding", "PanelEmbedding", "LINEAR_TYPES", "EMBEDDING_TYPES",
