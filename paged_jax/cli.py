@@ -104,7 +104,7 @@ def main(argv=None) -> int:
     s.add_argument("--chat-template", default=None, help="Jinja chat template (text or file) if the tokenizer has none")
     s.add_argument("--log-level", default="info", choices=["critical", "error", "warning", "info", "debug"])
     s.add_argument("--disable-uvicorn-access-log", action="store_true", help="no log line per HTTP request")
-    t = sub.add_parser("make-tiny", help="write a tiny random HF model folder (llama, opt or gpt2) offline")
+    t = sub.add_parser("make-tiny", help="write a tiny random HF model folder (any model family, --family) offline")
     t.add_argument("rest", nargs=argparse.REMAINDER)
     a = ap.parse_args(argv)
     if a.cmd == "make-tiny":
