@@ -135,9 +135,10 @@ def test_orbax_checkpoint_round_trip_loads_sharded(tp_runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["llama_tied_scaled", "opt_post", "gpt2"])
+@pytest.mark.parametrize("variant", ["llama_tied_scaled", "opt_post", "gpt2", "qwen2_tied_window"])
 def test_tp_more_families(hf_model_dir, tmp_path, variant):
-    """MQA (1 KV head, replicated), tied embeddings, biases; OPT post-LN with project_in/out; GPT-2."""
+    """MQA (1 KV head, replicated), tied embeddings, biases; OPT post-LN with project_in/out; GPT-2;
+    Qwen2 (replicated K/V heads with biases, a sliding window on layer 1)."""
     path = hf_model_dir(variant)
     jobs = [job(path, 1, **AMPLE), job(path, 2, **AMPLE), job(path, 4, preemption_mode="swap", **TIGHT)]
     base, *others = run_worker(tmp_path, jobs)
@@ -236,7 +237,8 @@ def test_two_processes_serve_one_model(hf_model_dir, tmp_path):
         assert_same_outputs(got, want, "2 processes, tp=4")
 
 
-@pytest.mark.parametrize("variant, dtype", [("opt_post", "bfloat16"), ("llama_tied_scaled", "auto")])
+@pytest.mark.parametrize("variant, dtype", [("opt_post", "bfloat16"), ("llama_tied_scaled", "auto"),
+                                            ("qwen2_untied", "auto")])
 def test_orbax_checkpoint_restores_the_same_params(hf_model_dir, tmp_path, variant, dtype):
     """convert -> restore (one device) gives exactly the arrays the safetensors loader gives, in the
     converted dtype; a second convert into the same folder is refused."""

@@ -98,10 +98,6 @@ class DenseEmbedding:
     def __post_init__(self):
         _check_role(self.parallel)
 
-    @property
-    def vocab_size(self) -> int:
-        return self.table.shape[0]
-
     def lookup(self, ids):
         return self.table[ids]
 

@@ -163,12 +163,12 @@ def replicate_kv_heads(params, config: ModelConfig, rep: int, mesh):
     fw = jax.jit(rep_w, out_shardings=NamedSharding(mesh, COL))
     fb = jax.jit(rep_b, out_shardings=NamedSharding(mesh, COL_BIAS))
 
-    def rep(x):
+    def repeat_heads(x):
         if isinstance(x, DenseLinear) and x.parallel == "kv":
             return dataclasses.replace(x, w=fw(x.w), b=None if x.b is None else fb(x.b))
         return x
 
-    return map_weights(rep, params)
+    return map_weights(repeat_heads, params)
 
 
 def convert(model_dir, out, dtype: str = "auto") -> Path:
