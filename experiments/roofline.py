@@ -89,21 +89,16 @@ def matmuls_alone(params, hidden: int, batch: int):
     """A jitted function running every linear layer of the model (each layer's in the order the
     layer uses them, then the LM head) once on ``batch`` rows, each taking the previous one's
     output (cut or tiled to its width): one chain, as in the model, so no two run at once.
-    Through the model's own ``linear``, so packed params (``paged_jax.native.pack_params``)
+    Through the weight objects' own matmuls, so packed params (``paged_jax.native.pack_params``)
     take the native matmul and plain ones XLA's."""
-    from paged_jax import native
-    from paged_jax.models.layers import linear
+    import dataclasses
 
-    def in_width(p):
-        return p["w"].shape[0] if "w" in p else p["w_panels"].shape[1]
+    from paged_jax.models import compute_logits
+    from paged_jax.models.weights import LINEAR_TYPES
 
-    layers = [[p for p in lp.values() if isinstance(p, dict) and (getattr(p.get("w"), "ndim", 0) == 2
-                                                               or "w_panels" in p)]
+    layers = [[dataclasses.replace(p, b=None) for p in lp.values() if isinstance(p, LINEAR_TYPES)]  # matmuls only
               for lp in params["layers"]]
-    layers = [[{k: v for k, v in p.items() if k != "b"} for p in ps] for ps in layers]  # matmuls only
-    head = params.get("lm_head_panels", params.get("embed_panels"))  # packed: the native matmul
-    if head is None:
-        head = params["lm_head"] if "lm_head" in params else params["embed"].T
+    head = {k: params[k] for k in ("lm_head",) if k in params} or {"embed": params["embed"]}
 
     def fit(y, width):
         return y[:, :width] if y.shape[1] >= width else jnp.tile(y, (1, -(-width // y.shape[1])))[:, :width]
@@ -112,11 +107,11 @@ def matmuls_alone(params, hidden: int, batch: int):
         y = h
         for ps in layers:
             for p in ps:
-                y = linear(fit(y, in_width(p)), p)
-        return native.linear(fit(y, hidden), head) if head.ndim == 3 else fit(y, hidden) @ head
+                y = p(fit(y, p.in_features))
+        return compute_logits(head, None, fit(y, hidden))
 
     fn = jax.jit(f)
-    x = jnp.ones((batch, hidden), head.dtype)
+    x = jnp.ones((batch, hidden), jax.tree_util.tree_leaves(head)[0].dtype)
     return lambda: fn(layers, head, x)
 
 

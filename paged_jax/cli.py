@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="larger request bodies get 413 (default: 4 MiB)")
     # make-tiny's options belong to paged_jax.models.tiny, which parses (and documents, --help) them.
     sub.add_parser("make-tiny", add_help=False,
-                   help="write a tiny random HF model folder (llama, opt or gpt2) offline; --help for options")
+                   help="write a tiny random HF model folder (any model family, --family) offline; --help for options")
     return ap
 
 

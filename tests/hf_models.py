@@ -22,9 +22,18 @@ HF_VARIANTS = {
     "opt_post": ("OPTConfig", dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
                                    max_position_embeddings=512, word_embed_proj_dim=32, do_layer_norm_before=False,
                                    init_std=0.15)),
+    "qwen2_untied": ("Qwen2Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                         initializer_range=0.15, tie_word_embeddings=False)),
+    # layer 1 attends through a 5-token window (max_window_layers=1), layer 0 to everything
+    "qwen2_tied_window": ("Qwen2Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=1,
+                                              max_position_embeddings=512, initializer_range=0.15,
+                                              tie_word_embeddings=True, use_sliding_window=True,
+                                              sliding_window=5, max_window_layers=1)),
     "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, initializer_range=0.15)),
 }
-FAMILY_OF = {"LlamaConfig": "llama", "OPTConfig": "opt", "GPT2Config": "gpt2"}
+FAMILY_OF = {"LlamaConfig": "llama", "OPTConfig": "opt", "GPT2Config": "gpt2", "Qwen2Config": "qwen2"}
 
 
 def make_hf_model(variant: str, out: Path, seed: int = 0) -> Path:
@@ -42,11 +51,11 @@ def make_hf_model(variant: str, out: Path, seed: int = 0) -> Path:
     config = getattr(transformers, cls_name)(vocab_size=tok.get_vocab_size(), **ids, **kw)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    if family == "llama" or family == "opt":
+    if family in ("llama", "opt", "qwen2"):
         # HF initialises norms to ones/biases to zeros; perturb them so the test sees they are loaded.
         with torch.no_grad():
             for name, p in model.named_parameters():
-                if "norm" in name:
+                if "norm" in name or name.endswith("bias"):
                     p.add_(0.1 * torch.randn_like(p))
     model.save_pretrained(out)
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=sp["bos"], eos_token=sp["eos"],

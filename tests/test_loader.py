@@ -112,8 +112,8 @@ def test_sharded_checkpoint_loads_identically(tmp_path, tiny_llama_dir):
     (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     _, p_sharded = load_model(d)
     _, p_single = load_model(tiny_llama_dir)
-    np.testing.assert_array_equal(np.asarray(p_sharded["layers"][1]["down"]["w"]),
-                                  np.asarray(p_single["layers"][1]["down"]["w"]))
+    np.testing.assert_array_equal(np.asarray(p_sharded["layers"][1]["down"].w),
+                                  np.asarray(p_single["layers"][1]["down"].w))
     # A missing shard is named.
     (d / "model-00002-of-00002.safetensors").unlink()
     with pytest.raises(ModelLoadError, match="model-00002-of-00002"):

@@ -56,12 +56,55 @@ def test_tiny_default_model_loads_in_hf_and_matches(tiny_llama_dir):
     np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
+@pytest.mark.parametrize("family", ["opt", "gpt2", "qwen2"])  # llama: the test above
+def test_tiny_model_of_every_family_loads_in_hf_and_matches(family, tmp_path):
+    """Each registered family's make-tiny defaults (its file's ``tiny_config``) give a folder
+    transformers reads as the same model."""
+    from paged_jax.models import FAMILIES
+    from paged_jax.models.tiny import make_tiny_model
+
+    assert set(FAMILIES) == {"llama", "opt", "gpt2", "qwen2"}  # a new family: add it here
+    path = make_tiny_model(tmp_path / family, family=family, seed=0)
+    config, params = load_model(path)
+    assert config.family == family
+    hf = load_hf(path)
+    prompt = prompts_for(config.vocab_size, lens=[11])[0]
+    got = PagedRunner(config, params).prefill_logits([prompt])[0]
+    with torch.no_grad():
+        want = hf(torch.tensor([prompt])).logits[0].numpy()
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+
+
+def test_unsupported_architecture_lists_the_supported_ones():
+    from paged_jax.errors import ModelLoadError
+    from paged_jax.models.config import model_config_from_hf
+
+    with pytest.raises(ModelLoadError, match="MistralForCausalLM.*supported: .*'Qwen2ForCausalLM'"):
+        model_config_from_hf({"architectures": ["MistralForCausalLM"]})
+    with pytest.raises(ModelLoadError, match="model_type 'mistral'.*'GPT2LMHeadModel'"):
+        model_config_from_hf({"model_type": "mistral"})
+
+
+def test_qwen2_sliding_window_applies_to_the_layers_transformers_says():
+    from paged_jax.errors import ModelLoadError
+    from paged_jax.models.config import model_config_from_hf
+
+    base = dict(architectures=["Qwen2ForCausalLM"], vocab_size=32, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    off = model_config_from_hf(dict(base, use_sliding_window=False, sliding_window=8))
+    assert [off.attention_spec(i).sliding_window for i in range(4)] == [None] * 4
+    on = model_config_from_hf(dict(base, use_sliding_window=True, sliding_window=8, max_window_layers=2))
+    assert [on.attention_spec(i).sliding_window for i in range(4)] == [None, None, 8, 8]
+    with pytest.raises(ModelLoadError, match="layer_types must list one of"):
+        model_config_from_hf(dict(base, use_sliding_window=True, sliding_window=8, layer_types=["chunked"] * 4))
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_close_to_float32(hf_model_dir, dtype):
     path = hf_model_dir("llama_gqa")
     c32, p32 = load_model(path, dtype="float32")
     c16, p16 = load_model(path, dtype=dtype)
-    assert c16.dtype == dtype and str(p16["embed"].dtype) == dtype
+    assert c16.dtype == dtype and str(p16["embed"].table.dtype) == dtype
     prompt = prompts_for(c32.vocab_size, lens=[9])
     a = PagedRunner(c32, p32).prefill_logits(prompt)[0]
     b = PagedRunner(c16, p16).prefill_logits(prompt)[0]

@@ -8,6 +8,7 @@ import pytest
 
 from paged_jax import native
 from paged_jax.models.layers import linear
+from paged_jax.models.weights import DenseEmbedding, DenseLinear, PanelEmbedding, PanelLinear
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels not built: {native.status()}")
 
@@ -70,29 +71,47 @@ def test_dispatch_float32_native_else_xla():
     x = np.random.default_rng(2).standard_normal((3, 16)).astype(np.float32)
     wf = np.random.default_rng(3).standard_normal((16, 32)).astype(np.float32)
     b = np.arange(32, dtype=np.float32)
-    np.testing.assert_allclose(np.asarray(linear(x, {"w_panels": native.pack_weight(wf), "b": b})),
-                               np.asarray(linear(x, {"w": wf, "b": b})), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(linear(x, PanelLinear(native.pack_weight(wf), b, out_features=32))),
+                               np.asarray(linear(x, DenseLinear(wf, b))), rtol=1e-5, atol=1e-5)
 
 
-def test_pack_params_packs_only_float32_linear_layers():
+@needs_native
+def test_packed_weights_keep_the_kernel_when_native_is_switched_off_late(monkeypatch):
+    """Packing is decided once: a step traced after ``PAGED_JAX_NATIVE=0`` on packed weights still
+    calls the kernel, instead of unpacking the weights in every step."""
+    w = native.pack_weight(np.ones((16, 32), np.float32))
+    monkeypatch.setenv("PAGED_JAX_NATIVE", "0")
+    text = jax.jit(native.linear).lower(jnp.ones((4, 16), jnp.float32), w).as_text()
+    assert native.LINEAR_TARGET[0] in text and "transpose" not in text
+
+
+def test_pack_params_packs_float32_linear_weights_by_type():
     rng = np.random.default_rng(4)
-    params = {"embed": jnp.asarray(rng.standard_normal((50, 32)), jnp.float32),
-              "lm_head": jnp.ones((32, 50), jnp.float32),
-              "final_ln": {"w": jnp.ones(32), "b": jnp.zeros(32)},
-              "layers": [{"qkv": {"w": jnp.ones((32, 96), jnp.float32), "b": jnp.zeros(96)},
-                          "odd": {"w": jnp.ones((32, 50), jnp.float32)},
-                          "half": {"w": jnp.ones((32, 64), jnp.bfloat16)}}]}
+    params = {"embed": DenseEmbedding(jnp.asarray(rng.standard_normal((50, 32)), jnp.float32)),
+              "lm_head": DenseLinear(jnp.asarray(rng.standard_normal((32, 50)), jnp.float32), parallel="column"),
+              "final_ln": {"w": jnp.ones((32, 48), jnp.float32), "b": jnp.zeros(32)},  # not a weight object
+              "layers": [{"qkv": DenseLinear(jnp.ones((32, 96), jnp.float32), jnp.zeros(96)),
+                          "half": DenseLinear(jnp.ones((32, 64), jnp.bfloat16))}]}
     packed = native.pack_params(params)
     layer = packed["layers"][0]
-    assert set(layer["qkv"]) == {"w_panels", "b"} and layer["qkv"]["w_panels"].shape == (2, 32, 48)
-    assert "w" in layer["odd"] and "w" in layer["half"]  # N = 50: no panel width; bfloat16: left to XLA
-    assert packed["embed"] is params["embed"] and "lm_head" not in packed  # untied: embed stays for lookups
-    head = np.asarray(packed["lm_head_panels"])
-    assert head.shape == (2, 32, 48)  # the vocabulary of 50 padded to 96 with zero columns
-    np.testing.assert_array_equal(np.asarray(native.unpack_weight(head))[:, :50], np.asarray(params["lm_head"]))
-    assert not head[1, :, 2:].any()
+    assert isinstance(layer["qkv"], PanelLinear) and layer["qkv"].panels.shape == (2, 32, 48)
+    assert layer["qkv"].b is params["layers"][0]["qkv"].b
+    assert layer["half"] is params["layers"][0]["half"]  # bfloat16: left to XLA
+    assert packed["embed"] is params["embed"]  # untied: the table serves lookups only
+    head = packed["lm_head"]
+    assert isinstance(head, PanelLinear) and head.parallel == "column" and head.out_features == 50
+    assert head.panels.shape == (2, 32, 48)  # the vocabulary of 50 padded to 96 with zero columns
+    np.testing.assert_array_equal(np.asarray(native.unpack_weight(head.panels))[:, :50],
+                                  np.asarray(params["lm_head"].w))
+    assert not np.asarray(head.panels)[1, :, 2:].any()
+    h = jnp.asarray(rng.standard_normal((3, 32)), jnp.float32)
+    np.testing.assert_allclose(np.asarray(head(h)), np.asarray(params["lm_head"](h)), rtol=1e-5, atol=1e-5)
     assert packed["final_ln"]["w"] is params["final_ln"]["w"]
-    assert "w" in params["layers"][0]["qkv"]  # the input is not changed
+    assert isinstance(params["layers"][0]["qkv"], DenseLinear)  # the input is not changed
+
+
+def _packed_layers(runner) -> bool:
+    return any(isinstance(p, PanelLinear) for p in runner.params["layers"][0].values())
 
 
 @pytest.mark.skipif(not native.packs_weights(), reason="no AVX-512 matmul here: runners keep plain weights")
@@ -111,11 +130,11 @@ def test_runner_packs_on_cpu_and_step_matches_xla(tiny_llama_dir, monkeypatch):
         return np.asarray(runner.run_batch(batch, all_logits=True))
 
     packed = ModelRunner(cfg, params, 4, 8, 0)
-    assert any("w_panels" in p for p in packed.params["layers"][0].values() if isinstance(p, dict))
+    assert _packed_layers(packed)
     got = logits(packed)
     monkeypatch.setenv("PAGED_JAX_NATIVE", "0")
     plain = ModelRunner(cfg, params, 4, 8, 0)
-    assert all("w_panels" not in p for p in plain.params["layers"][0].values() if isinstance(p, dict))
+    assert not _packed_layers(plain)
     np.testing.assert_allclose(got, logits(plain), rtol=1e-4, atol=1e-4)
 
 
@@ -132,19 +151,18 @@ def test_read_sum_matches_numpy():
 
 def test_tied_embedding_packed_once_serves_lookup_and_logits():
     from paged_jax.models import compute_logits
-    from paged_jax.models.layers import embed_rows
 
     rng = np.random.default_rng(6)
     embed = jnp.asarray(rng.standard_normal((53, 16)), jnp.float32)  # V = 53: padded to 96
-    packed = native.pack_params({"embed": embed})
-    assert set(packed) == {"embed_panels"} and packed["embed_panels"].shape == (2, 16, 48)
+    dense = {"embed": DenseEmbedding(embed, tied=True)}
+    packed = native.pack_params(dense)
+    assert isinstance(packed["embed"], PanelEmbedding) and packed["embed"].panels.shape == (2, 16, 48)
     ids = jnp.asarray([0, 47, 48, 52, 5, -1, -53, 53, 95, 400, -400])  # and outside [0, V): as embed[ids]
-    np.testing.assert_array_equal(np.asarray(embed_rows(packed, ids, 53)), np.asarray(embed[ids]))
-    cfg = type("C", (), {"vocab_size": 53})()
+    np.testing.assert_array_equal(np.asarray(packed["embed"].lookup(ids)), np.asarray(embed[ids]))
     h = jnp.asarray(rng.standard_normal((3, 16)), jnp.float32)
-    got = np.asarray(compute_logits(packed, cfg, h))
+    got = np.asarray(compute_logits(packed, None, h))
     assert got.shape == (3, 53)
-    np.testing.assert_allclose(got, np.asarray(compute_logits({"embed": embed}, cfg, h)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, np.asarray(compute_logits(dense, None, h)), rtol=1e-5, atol=1e-5)
 
 
 PORTABLE_CHECK = r"""
@@ -192,4 +210,4 @@ def test_avx512_tiles_where_the_cpu_has_them(monkeypatch, tiny_llama_dir):
     cfg, params, _ = load_for_serving(str(tiny_llama_dir), "float32", 1)
     monkeypatch.setitem(native._state, "avx512_matmul", False)  # as on a CPU without AVX-512
     runner = ModelRunner(cfg, params, 4, 8, 0)
-    assert all("w_panels" not in p for p in runner.params["layers"][0].values() if isinstance(p, dict))
+    assert not _packed_layers(runner)

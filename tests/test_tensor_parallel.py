@@ -135,9 +135,10 @@ def test_orbax_checkpoint_round_trip_loads_sharded(tp_runs):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["llama_tied_scaled", "opt_post", "gpt2"])
+@pytest.mark.parametrize("variant", ["llama_tied_scaled", "opt_post", "gpt2", "qwen2_tied_window"])
 def test_tp_more_families(hf_model_dir, tmp_path, variant):
-    """MQA (1 KV head, replicated), tied embeddings, biases; OPT post-LN with project_in/out; GPT-2."""
+    """MQA (1 KV head, replicated), tied embeddings, biases; OPT post-LN with project_in/out; GPT-2;
+    Qwen2 (replicated K/V heads with biases, a sliding window on layer 1)."""
     path = hf_model_dir(variant)
     jobs = [job(path, 1, **AMPLE), job(path, 2, **AMPLE), job(path, 4, preemption_mode="swap", **TIGHT)]
     base, *others = run_worker(tmp_path, jobs)
@@ -236,7 +237,8 @@ def test_two_processes_serve_one_model(hf_model_dir, tmp_path):
         assert_same_outputs(got, want, "2 processes, tp=4")
 
 
-@pytest.mark.parametrize("variant, dtype", [("opt_post", "bfloat16"), ("llama_tied_scaled", "auto")])
+@pytest.mark.parametrize("variant, dtype", [("opt_post", "bfloat16"), ("llama_tied_scaled", "auto"),
+                                            ("qwen2_untied", "auto")])
 def test_orbax_checkpoint_restores_the_same_params(hf_model_dir, tmp_path, variant, dtype):
     """convert -> restore (one device) gives exactly the arrays the safetensors loader gives, in the
     converted dtype; a second convert into the same folder is refused."""
@@ -259,3 +261,27 @@ def test_orbax_checkpoint_restores_the_same_params(hf_model_dir, tmp_path, varia
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
     with pytest.raises(ValueError, match="exists and is not empty"):
         convert(src, ckpt)
+
+
+def test_weight_roles_map_to_megatron_specs():
+    """Each weight object's ``parallel`` role picks its PartitionSpec; dims tp does not divide stay whole."""
+    import jax
+    from jax.sharding import PartitionSpec as P
+
+    from paged_jax.models.weights import DenseEmbedding, DenseLinear
+    from paged_jax.parallel.rules import weight_specs
+
+    def s(*shape):
+        return jax.ShapeDtypeStruct(shape, "float32")
+
+    col = weight_specs(DenseLinear(s(8, 16), s(16), "column"), 4)
+    assert (col.w, col.b) == (P(None, "tp"), P("tp"))
+    row = weight_specs(DenseLinear(s(16, 8), s(8), "row"), 4)
+    assert (row.w, row.b) == (P("tp", None), P())
+    kv = DenseLinear(s(8, 16), s(16), "kv")
+    assert weight_specs(kv, 4).w == P(None, "tp") and weight_specs(kv, 4, replicate_kv=True).w == P()
+    assert weight_specs(DenseLinear(s(8, 16), None, None), 4).w == P()
+    assert weight_specs(DenseEmbedding(s(517, 8)), 4).table == P(None, None)  # 517 rows: not divisible by 4
+    assert weight_specs(DenseEmbedding(s(516, 8)), 4).table == P("tp", None)
+    with pytest.raises(ValueError, match="parallel must be one of"):
+        DenseLinear(s(8, 16), None, "columns")

@@ -56,10 +56,10 @@ def run_job(job: dict) -> dict:
     engine = llm.llm_engine
     runner, stats = engine.runner, engine.get_stats()
     layer = runner.params["layers"][0]
-    shards = {"kv_cache": shard_shapes(runner.kv_caches[0][0]), "embed": shard_shapes(runner.params["embed"])}
+    shards = {"kv_cache": shard_shapes(runner.kv_caches[0][0]), "embed": shard_shapes(runner.params["embed"].table)}
     for name, leaf in (("q", "w"), ("k", "w"), ("o", "w"), ("up", "w"), ("down", "w"), ("fc1", "w"), ("fc2", "w")):
         if name in layer:
-            shards[f"{name}.{leaf}"] = shard_shapes(layer[name][leaf])
+            shards[f"{name}.{leaf}"] = shard_shapes(getattr(layer[name], leaf))
     return {"tokens": [o.outputs[0].token_ids for o in outs],
             "samples": [[c.token_ids for c in o.outputs] for o in outs],
             "cum_logprobs": [o.outputs[0].cumulative_logprob for o in outs],

@@ -4,18 +4,21 @@
 token-flat batch through the model, writing and reading K/V through the block
 tables, and returns the final hidden states and the updated caches. Logits are
 computed separately (``compute_logits``) for just the rows that need them.
+
+A family is one file ending in ``FAMILY = ModelFamily(...)`` (:mod:`paged_jax.models.family`),
+registered once in ``FAMILIES`` below.
 """
 
 from __future__ import annotations
 
 import functools
-from types import ModuleType
 
 from paged_jax.attention import paged_attention_layer
-from paged_jax.models import gpt2, llama, opt
+from paged_jax.models import gpt2, llama, opt, qwen2
 from paged_jax.models.config import ModelConfig
+from paged_jax.models.family import ModelFamily
 
-FAMILIES: dict[str, ModuleType] = {"llama": llama, "opt": opt, "gpt2": gpt2}
+FAMILIES: dict[str, ModelFamily] = {m.FAMILY.name: m.FAMILY for m in (llama, opt, gpt2, qwen2)}
 
 
 def forward(params, config: ModelConfig, input_ids, positions, kv_caches, meta, attn):
@@ -32,19 +35,11 @@ def forward(params, config: ModelConfig, input_ids, positions, kv_caches, meta, 
 
 
 def compute_logits(params, config: ModelConfig, hidden):
-    """Float32 logits; tied models reuse the input embedding."""
+    """Float32 logits: the LM head's, or a tied model's input embedding's."""
     import jax.numpy as jnp
 
-    panels = params.get("lm_head_panels", params.get("embed_panels"))
-    if panels is not None:  # packed for the native matmul (paged_jax.native.pack_params), vocabulary padded
-        from paged_jax import native
-
-        logits = native.linear(hidden, panels)[..., :config.vocab_size]
-    elif "lm_head" in params:
-        logits = hidden @ params["lm_head"]
-    else:
-        logits = hidden @ params["embed"].T
+    logits = params["lm_head"](hidden) if "lm_head" in params else params["embed"].logits(hidden)
     return logits.astype(jnp.float32)
 
 
-__all__ = ["ModelConfig", "FAMILIES", "forward", "compute_logits"]
+__all__ = ["ModelConfig", "ModelFamily", "FAMILIES", "forward", "compute_logits"]

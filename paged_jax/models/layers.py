@@ -6,32 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-
-def linear(x, p):
-    """x @ w (+ b). Weights are stored [in, out] as ``w``, or packed in column panels as
-    ``w_panels`` (``paged_jax.native.pack_params``, on a CPU) for the native matmul."""
-    if "w_panels" in p:
-        from paged_jax import native
-
-        y = native.linear(x, p["w_panels"])
-    else:
-        y = x @ p["w"]
-    if "b" in p:
-        y = y + p["b"]
-    return y
-
-
-def embed_rows(params, ids, vocab_size: int):
-    """Rows ``ids`` of the input embedding: ``embed`` [V, D], or (a tied model packed for the
-    native matmul, ``paged_jax.native.pack_params``) ``embed_panels`` [P, D, W], row v in
-    panel v // W, column v % W, the vocabulary padded past ``vocab_size``. Ids outside
-    [0, vocab_size) give the rows ``embed[ids]`` gives (negative from the end, then clamped)."""
-    if "embed" in params:
-        return params["embed"][ids]
-    ids = jnp.clip(jnp.where(ids < 0, ids + vocab_size, ids), 0, vocab_size - 1)
-    panels = params["embed_panels"]
-    W = panels.shape[2]
-    return panels[ids // W, :, ids % W]
+from paged_jax.models.weights import linear  # noqa: F401  (model code's one matmul, any weight format)
 
 
 def rms_norm(x, w, eps):

@@ -2,11 +2,46 @@
 
 from __future__ import annotations
 
-from paged_jax.models.layers import apply_rope, embed_rows, linear, rms_norm, split_heads
 import jax
 
+from paged_jax.errors import ModelLoadError
+from paged_jax.models.config import ModelConfig, eos_tuple, require, rope_from_hf
+from paged_jax.models.family import ModelFamily
+from paged_jax.models.layers import apply_rope, linear, rms_norm, split_heads
+from paged_jax.models.weights import DenseEmbedding, DenseLinear
 
-def hf_tensor_shapes(c) -> dict[str, tuple]:
+
+def config_from_hf(cfg: dict, dt: str, where: str, family: str = "llama", **extra) -> ModelConfig:
+    """LLaMA's config.json fields; ``family`` and ``extra`` fields for families built on it (Qwen2)."""
+    hidden = int(require(cfg, "hidden_size", where))
+    heads = int(require(cfg, "num_attention_heads", where))
+    kv_heads = int(cfg.get("num_key_value_heads") or heads)
+    head_dim = int(cfg.get("head_dim") or hidden // heads)
+    if heads % kv_heads:
+        raise ModelLoadError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
+    act = cfg.get("hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"{where}: hidden_act {act!r} is not supported for {family}; supported: ['silu']")
+    if int(cfg.get("pretraining_tp", 1)) != 1:
+        raise ModelLoadError(f"{where}: pretraining_tp={cfg['pretraining_tp']} is not supported; supported: 1")
+    theta, scaling = rope_from_hf(cfg, where)
+    fields = dict(
+        family=family, vocab_size=int(require(cfg, "vocab_size", where)), hidden_size=hidden,
+        num_layers=int(require(cfg, "num_hidden_layers", where)), num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, intermediate_size=int(require(cfg, "intermediate_size", where)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), activation="silu",
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), dtype=dt,
+        rope_theta=theta, rope_scaling=scaling, attention_bias=bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)), bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=eos_tuple(cfg.get("eos_token_id")))
+    return ModelConfig(**{**fields, **extra})
+
+
+def hf_tensor_shapes(c, qkv_bias: bool = None, o_bias: bool = None) -> dict[str, tuple]:
+    """``qkv_bias`` / ``o_bias`` default to ``attention_bias`` (Qwen2 has the first only)."""
+    qkv_bias = c.attention_bias if qkv_bias is None else qkv_bias
+    o_bias = c.attention_bias if o_bias is None else o_bias
     shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
     if not c.tie_word_embeddings:
         shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
@@ -17,10 +52,10 @@ def hf_tensor_shapes(c) -> dict[str, tuple]:
         shapes[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
         for name, out_dim in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
             shapes[p + f"self_attn.{name}.weight"] = (out_dim, c.hidden_size)
-            if c.attention_bias:
+            if qkv_bias:
                 shapes[p + f"self_attn.{name}.bias"] = (out_dim,)
         shapes[p + "self_attn.o_proj.weight"] = (c.hidden_size, q)
-        if c.attention_bias:
+        if o_bias:
             shapes[p + "self_attn.o_proj.bias"] = (c.hidden_size,)
         for name, shape in (("gate_proj", (c.intermediate_size, c.hidden_size)),
                             ("up_proj", (c.intermediate_size, c.hidden_size)),
@@ -32,24 +67,25 @@ def hf_tensor_shapes(c) -> dict[str, tuple]:
 
 
 def params_from_hf(c, get, lin) -> dict:
-    """``get(name)`` returns an HF tensor; ``lin(prefix)`` a transposed linear layer."""
     layers = []
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
         layers.append({
             "ln1": get(p + "input_layernorm.weight"), "ln2": get(p + "post_attention_layernorm.weight"),
-            "q": lin(p + "self_attn.q_proj"), "k": lin(p + "self_attn.k_proj"), "v": lin(p + "self_attn.v_proj"),
-            "o": lin(p + "self_attn.o_proj"), "gate": lin(p + "mlp.gate_proj"), "up": lin(p + "mlp.up_proj"),
-            "down": lin(p + "mlp.down_proj"),
+            "q": lin(p + "self_attn.q_proj", "column"), "k": lin(p + "self_attn.k_proj", "kv"),
+            "v": lin(p + "self_attn.v_proj", "kv"), "o": lin(p + "self_attn.o_proj", "row"),
+            "gate": lin(p + "mlp.gate_proj", "column"), "up": lin(p + "mlp.up_proj", "column"),
+            "down": lin(p + "mlp.down_proj", "row"),
         })
-    params = {"embed": get("model.embed_tokens.weight"), "norm": get("model.norm.weight"), "layers": layers}
+    params = {"embed": DenseEmbedding(get("model.embed_tokens.weight"), tied=c.tie_word_embeddings),
+              "norm": get("model.norm.weight"), "layers": layers}
     if not c.tie_word_embeddings:
-        params["lm_head"] = get("lm_head.weight").T
+        params["lm_head"] = DenseLinear(get("lm_head.weight").T, parallel="column")
     return params
 
 
 def embed(params, c, input_ids, positions):
-    return embed_rows(params, input_ids, c.vocab_size)
+    return params["embed"].lookup(input_ids)
 
 
 def layer(lp, c, h, positions, kv, attn):
@@ -67,3 +103,14 @@ def layer(lp, c, h, positions, kv, attn):
 
 def final(params, c, h):
     return rms_norm(h, params["norm"], c.norm_eps)
+
+
+FAMILY = ModelFamily(
+    name="llama", architectures=("LlamaForCausalLM",), model_types=("llama",),
+    config_from_hf=config_from_hf, hf_tensor_shapes=hf_tensor_shapes, params_from_hf=params_from_hf,
+    embed=embed, layer=layer, final=final,
+    tiny_config=dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=176,
+                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                     max_position_embeddings=2048, rms_norm_eps=1e-6, rope_theta=10000.0,
+                     tie_word_embeddings=False, hidden_act="silu"),
+    tiny_tokens=dict(bos="<s>", eos="</s>", unk="<unk>", pad=None, add_bos=True))

@@ -16,6 +16,7 @@ import numpy as np
 from paged_jax.errors import ModelLoadError
 from paged_jax.models import FAMILIES
 from paged_jax.models.config import ModelConfig, model_config_from_hf
+from paged_jax.models.weights import DenseLinear
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -109,11 +110,9 @@ def params_from_tensors(config: ModelConfig, tensors: dict[str, np.ndarray], to_
     def get(name):
         return to_array(tensors[name])
 
-    def lin(prefix):  # HF Linear is [out, in]; we keep [in, out]
-        p = {"w": to_array(np.ascontiguousarray(tensors[prefix + ".weight"].T))}
-        if prefix + ".bias" in tensors:
-            p["b"] = get(prefix + ".bias")
-        return p
+    def lin(prefix, parallel):  # HF Linear is [out, in]; we keep [in, out]
+        w = to_array(np.ascontiguousarray(tensors[prefix + ".weight"].T))
+        return DenseLinear(w, get(prefix + ".bias") if prefix + ".bias" in tensors else None, parallel)
 
     return FAMILIES[config.family].params_from_hf(config, get, lin)
 

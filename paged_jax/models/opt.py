@@ -2,9 +2,36 @@
 
 from __future__ import annotations
 
-from paged_jax.models.layers import ACTIVATIONS, embed_rows, layer_norm, linear, split_heads
+from paged_jax.errors import ModelLoadError
+from paged_jax.models.config import ModelConfig, eos_tuple, require
+from paged_jax.models.family import ModelFamily
+from paged_jax.models.layers import ACTIVATIONS, layer_norm, linear, split_heads
+from paged_jax.models.weights import DenseEmbedding, DenseLinear
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
+
+
+def config_from_hf(cfg: dict, dt: str, where: str) -> ModelConfig:
+    hidden = int(require(cfg, "hidden_size", where))
+    heads = int(require(cfg, "num_attention_heads", where))
+    act = cfg.get("activation_function", "relu")
+    if act not in ("relu", "gelu", "gelu_new"):
+        raise ModelLoadError(f"{where}: activation_function {act!r} is not supported for OPT; supported: relu, gelu, gelu_new")
+    if not cfg.get("layer_norm_elementwise_affine", True):
+        raise ModelLoadError(f"{where}: layer_norm_elementwise_affine=False is not supported")
+    proj = cfg.get("word_embed_proj_dim")
+    before = bool(cfg.get("do_layer_norm_before", True))
+    return ModelConfig(
+        family="opt", vocab_size=int(require(cfg, "vocab_size", where)), hidden_size=hidden,
+        num_layers=int(require(cfg, "num_hidden_layers", where)), num_heads=heads, num_kv_heads=heads,
+        head_dim=hidden // heads, intermediate_size=int(require(cfg, "ffn_dim", where)),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)), norm_eps=1e-5,
+        activation=act, tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)), dtype=dt,
+        do_layer_norm_before=before,
+        word_embed_proj_dim=int(proj) if proj is not None and int(proj) != hidden else None,
+        enable_bias=bool(cfg.get("enable_bias", True)),
+        has_final_layer_norm=before and not cfg.get("_remove_final_layer_norm", False),
+        bos_token_id=cfg.get("bos_token_id"), eos_token_id=eos_tuple(cfg.get("eos_token_id")))
 
 
 def hf_tensor_shapes(c) -> dict[str, tuple]:
@@ -45,22 +72,24 @@ def params_from_hf(c, get, lin) -> dict:
         p = f"{d}layers.{i}."
         layers.append({
             "ln1": _ln(get, p + "self_attn_layer_norm"), "ln2": _ln(get, p + "final_layer_norm"),
-            "q": lin(p + "self_attn.q_proj"), "k": lin(p + "self_attn.k_proj"), "v": lin(p + "self_attn.v_proj"),
-            "o": lin(p + "self_attn.out_proj"), "fc1": lin(p + "fc1"), "fc2": lin(p + "fc2"),
+            "q": lin(p + "self_attn.q_proj", "column"), "k": lin(p + "self_attn.k_proj", "kv"),
+            "v": lin(p + "self_attn.v_proj", "kv"), "o": lin(p + "self_attn.out_proj", "row"),
+            "fc1": lin(p + "fc1", "column"), "fc2": lin(p + "fc2", "row"),
         })
-    params = {"embed": get(d + "embed_tokens.weight"), "pos": get(d + "embed_positions.weight"), "layers": layers}
+    params = {"embed": DenseEmbedding(get(d + "embed_tokens.weight"), tied=c.tie_word_embeddings),
+              "pos": get(d + "embed_positions.weight"), "layers": layers}
     if c.word_embed_proj_dim:
-        params["project_in"] = lin(d + "project_in")
-        params["project_out"] = lin(d + "project_out")
+        params["project_in"] = lin(d + "project_in", None)
+        params["project_out"] = lin(d + "project_out", None)
     if c.has_final_layer_norm:
         params["final_ln"] = _ln(get, d + "final_layer_norm")
     if not c.tie_word_embeddings:
-        params["lm_head"] = get("lm_head.weight").T
+        params["lm_head"] = DenseLinear(get("lm_head.weight").T, parallel="column")
     return params
 
 
 def embed(params, c, input_ids, positions):
-    h = embed_rows(params, input_ids, c.vocab_size)
+    h = params["embed"].lookup(input_ids)
     if c.word_embed_proj_dim:
         h = linear(h, params["project_in"])
     return h + params["pos"][positions + POSITION_OFFSET]
@@ -89,3 +118,14 @@ def final(params, c, h):
     if c.word_embed_proj_dim:
         h = linear(h, params["project_out"])
     return h
+
+
+FAMILY = ModelFamily(
+    name="opt", architectures=("OPTForCausalLM",), model_types=("opt",),
+    config_from_hf=config_from_hf, hf_tensor_shapes=hf_tensor_shapes, params_from_hf=params_from_hf,
+    embed=embed, layer=layer, final=final,
+    tiny_config=dict(architectures=["OPTForCausalLM"], model_type="opt", hidden_size=64, ffn_dim=256,
+                     num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=2048,
+                     do_layer_norm_before=True, word_embed_proj_dim=64, activation_function="relu",
+                     enable_bias=True, tie_word_embeddings=True),
+    tiny_tokens=dict(bos="</s>", eos="</s>", unk="<unk>", pad="<pad>", add_bos=True))

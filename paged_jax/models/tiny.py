@@ -25,24 +25,9 @@ from paged_jax.models.config import model_config_from_hf
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 DEFAULT_MODEL_NAME = "tiny-llama-v2"
 
-# Small shapes per family; override any field with keyword arguments.
-TINY_CONFIGS = {
-    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=64, intermediate_size=176,
-                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
-                  rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, hidden_act="silu"),
-    "opt": dict(architectures=["OPTForCausalLM"], model_type="opt", hidden_size=64, ffn_dim=256,
-                num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=2048,
-                do_layer_norm_before=True, word_embed_proj_dim=64, activation_function="relu",
-                enable_bias=True, tie_word_embeddings=True),
-    "gpt2": dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_embd=64, n_layer=2, n_head=4,
-                 n_positions=1024, n_inner=None, activation_function="gelu_new", layer_norm_epsilon=1e-5,
-                 tie_word_embeddings=True),
-}
-SPECIAL_TOKENS = {
-    "llama": dict(bos="<s>", eos="</s>", unk="<unk>", pad=None, add_bos=True),
-    "opt": dict(bos="</s>", eos="</s>", unk="<unk>", pad="<pad>", add_bos=True),
-    "gpt2": dict(bos="<|endoftext|>", eos="<|endoftext|>", unk="<unk>", pad=None, add_bos=False),
-}
+# Small shapes per family (each family file's ``tiny_config``); override any field with keyword arguments.
+TINY_CONFIGS = {name: fam.tiny_config for name, fam in FAMILIES.items()}
+SPECIAL_TOKENS = {name: fam.tiny_tokens for name, fam in FAMILIES.items()}
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 

@@ -11,9 +11,9 @@ the step both ways). It computes the same function as the jnp reference and is
 tested against it (``tests/test_native_decode.py``).
 
 Matmuls. At decode batch sizes XLA's CPU matmuls leave the cores waiting on weights that
-stream from memory. :func:`pack_params` stores each linear layer's ``[K, N]`` weight as
-``w_panels`` ``[N / W, K, W]`` (W = 48, 32 or 16 columns, each panel contiguous), and
-``paged_jax.models.layers.linear`` then multiplies through :func:`linear`, which prefetches
+stream from memory. :func:`pack_params` turns each float32 ``DenseLinear`` (weight ``[K, N]``)
+into a ``PanelLinear`` holding ``[N / W, K, W]`` panels (W = 48, 32 or 16 columns, each panel
+contiguous; see ``paged_jax.models.weights``), whose matmul is :func:`linear`, which prefetches
 the panels ahead of use (``tests/test_native_linear.py``; ``experiments/roofline.py`` times
 the step with and without). The runner packs on a CPU with one device, float32 weights,
 where the matmul was built with its AVX-512 tiles (:func:`packs_weights`).
@@ -209,9 +209,8 @@ def unpack_weight(w_panels) -> "jax.Array":
 
 def linear(x, w_panels) -> "jax.Array":
     """``x @ unpack_weight(w_panels)`` for ``x [..., K]``: the native kernel for float32 on a CPU
-    where it is built, else XLA's matmul on the weight unpacked at every call (correct, but
-    slow: ``PAGED_JAX_NATIVE=0`` belongs before the runner is built, which then keeps plain
-    weights)."""
+    once the kernels are registered (a runner packs only then, and keeps using them even if
+    ``PAGED_JAX_NATIVE=0`` is set later), else XLA's matmul on the unpacked weight."""
     import jax
     import jax.numpy as jnp
 
@@ -219,7 +218,8 @@ def linear(x, w_panels) -> "jax.Array":
         raise ValueError(f"linear takes x [..., K] and panels [P, K, W] with W in {PANEL_WIDTHS}; got x {x.shape}, "
                          f"panels {w_panels.shape}")
     P, K, W = w_panels.shape
-    if x.dtype != jnp.float32 or w_panels.dtype != jnp.float32 or jax.default_backend() != "cpu" or not available():
+    if x.dtype != jnp.float32 or w_panels.dtype != jnp.float32 or jax.default_backend() != "cpu" or \
+            not _state.get("ok"):
         return x @ unpack_weight(w_panels).astype(x.dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), K)
@@ -238,45 +238,34 @@ def read_sum(x) -> "jax.Array":
     return jax.ffi.ffi_call(SUM_TARGET[0], jax.ShapeDtypeStruct((), jnp.float32))(x)
 
 
-def pack_head(head) -> "jax.Array":
-    """An LM head ``[D, V]`` as 48-column panels, the vocabulary padded with zero columns to a
-    multiple of 48 (logits past V are sliced off by ``compute_logits``)."""
+def pack_padded(w) -> "jax.Array":
+    """``[K, N]`` as panels: :func:`pack_weight` when a panel width divides N, else 48-column
+    panels with N padded by zero columns (the caller cuts the outputs past N off)."""
     import jax.numpy as jnp
 
-    D, V = head.shape
-    return pack_weight(jnp.pad(jnp.asarray(head), ((0, 0), (0, -V % PANEL_WIDTHS[0]))))
+    if panel_width(w.shape[1]):
+        return pack_weight(w)
+    return pack_weight(jnp.pad(jnp.asarray(w), ((0, 0), (0, -w.shape[1] % PANEL_WIDTHS[0]))))
 
 
 def pack_params(params):
-    """A copy of a model's params with every linear layer's float32 ``{"w": [K, N]}`` (N a
-    multiple of 16) stored as ``{"w_panels": pack_weight(w)}``, and a float32 LM head packed
-    by :func:`pack_head`: an untied ``lm_head`` [D, V] becomes ``lm_head_panels``; a tied
-    model's ``embed`` [V, D] becomes ``embed_panels`` (its transpose packed, which the
-    embedding lookup reads too: ``paged_jax.models.layers.embed_rows``, no second copy).
-    Everything else stays as it was."""
+    """A copy of a model's params with each float32 weight object stored for the native matmul:
+    a ``DenseLinear`` becomes a ``PanelLinear``, a tied ``DenseEmbedding`` (the LM head too) a
+    ``PanelEmbedding`` (its transpose packed, which lookups read too: no second copy). Chosen by
+    type (``paged_jax.models.weights``), not by name; everything else stays as it was."""
     import jax.numpy as jnp
 
-    params = dict(params)
-    if "lm_head" in params:
-        if params["lm_head"].dtype == jnp.float32:
-            params["lm_head_panels"] = pack_head(params.pop("lm_head"))
-    elif "embed" in params and params["embed"].dtype == jnp.float32:
-        params["embed_panels"] = pack_head(params.pop("embed").T)
+    from paged_jax.models.weights import DenseEmbedding, DenseLinear, PanelEmbedding, PanelLinear, map_weights
 
-    def walk(node):
-        if isinstance(node, dict):
-            w = node.get("w")
-            if getattr(w, "ndim", 0) == 2 and w.dtype == jnp.float32 and panel_width(w.shape[1]):
-                out = {k: v for k, v in node.items() if k != "w"}
-                out["w_panels"] = pack_weight(w)
-                return out
-            return {k: walk(v) for k, v in node.items()}
-        if isinstance(node, (list, tuple)):
-            return type(node)(walk(v) for v in node)
-        return node
+    def pack(x):
+        if isinstance(x, DenseLinear) and x.w.ndim == 2 and x.w.dtype == jnp.float32:
+            return PanelLinear(pack_padded(x.w), x.b, out_features=x.w.shape[1], parallel=x.parallel)
+        if isinstance(x, DenseEmbedding) and x.tied and x.table.dtype == jnp.float32:
+            return PanelEmbedding(pack_padded(x.table.T), vocab_size=x.table.shape[0], parallel=x.parallel)
+        return x
 
-    return walk(params)
+    return map_weights(pack, params)
 
 
 __all__ = ["available", "status", "supports", "paged_decode", "packs_weights", "panel_width", "pack_weight", "unpack_weight",
-           "linear", "pack_params", "read_sum"]
+           "pack_padded", "linear", "pack_params", "read_sum"]

@@ -29,11 +29,11 @@ from paged_jax.errors import ModelLoadError
 from paged_jax.models import FAMILIES
 from paged_jax.models.config import ModelConfig
 from paged_jax.models.loader import load_config, load_tensors, params_from_tensors, weight_files
+from paged_jax.models.weights import DenseLinear, map_weights
 from paged_jax.parallel.rules import param_shardings
 
 MARKER = "paged_jax_checkpoint.json"
 FORMAT = "paged-jax-orbax"
-KV_PATHS = (r"layers/\d+/(k|v)/(w|b)",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +55,9 @@ def abstract_params(config: ModelConfig):
     def get(name):
         return HFTensor(name, tuple(hf[name]))
 
-    def lin(prefix):
-        p = {"w": get(prefix + ".weight").T}
-        if prefix + ".bias" in hf:
-            p["b"] = get(prefix + ".bias")
-        return p
+    def lin(prefix, parallel):
+        return DenseLinear(get(prefix + ".weight").T, get(prefix + ".bias") if prefix + ".bias" in hf else None,
+                           parallel)
 
     return FAMILIES[config.family].params_from_hf(config, get, lin)
 
@@ -88,7 +86,7 @@ def load_config_any(path, dtype: str = "auto") -> ModelConfig:
 def load_sharded(path, config: ModelConfig, mesh, kv_replication: int = 1):
     """Params with their shardings on ``mesh``; ``config`` is the model's own (unreplicated) config."""
     abstract = abstract_params(config)
-    shardings = param_shardings(config.family, abstract, mesh, KV_PATHS if kv_replication > 1 else ())
+    shardings = param_shardings(abstract, mesh, replicate_kv=kv_replication > 1)
     if is_orbax_checkpoint(path):
         params = _restore_orbax(Path(path), config, abstract, shardings)
     else:
@@ -147,7 +145,7 @@ def _restore_orbax(path: Path, config, abstract, shardings):
 
 
 def replicate_kv_heads(params, config: ModelConfig, rep: int, mesh):
-    """Repeat each KV head ``rep`` times (K/V projections loaded replicated), then split over heads."""
+    """Repeat each KV head ``rep`` times in the ``"kv"`` weights (loaded replicated), then split over heads."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding
@@ -164,10 +162,13 @@ def replicate_kv_heads(params, config: ModelConfig, rep: int, mesh):
 
     fw = jax.jit(rep_w, out_shardings=NamedSharding(mesh, COL))
     fb = jax.jit(rep_b, out_shardings=NamedSharding(mesh, COL_BIAS))
-    for lp in params["layers"]:
-        for name in ("k", "v"):
-            lp[name] = {key: (fw if key == "w" else fb)(x) for key, x in lp[name].items()}
-    return params
+
+    def repeat_heads(x):
+        if isinstance(x, DenseLinear) and x.parallel == "kv":
+            return dataclasses.replace(x, w=fw(x.w), b=None if x.b is None else fb(x.b))
+        return x
+
+    return map_weights(repeat_heads, params)
 
 
 def convert(model_dir, out, dtype: str = "auto") -> Path:
