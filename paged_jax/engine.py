@@ -11,13 +11,13 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 from typing import Optional, Union
 
+from paged_jax.engine_args import EngineArgs, build_engine_parts
 from paged_jax.beam_search import BeamState, beam_step, num_candidates
 from paged_jax.executor.interface import Executor, RowSampling
 from paged_jax.memory.block_manager import BlockManager
-from paged_jax.outputs import CompletionOutput, RequestOutput, make_logprobs_dict
+from paged_jax.outputs import RequestOutput, make_logprobs_dict, request_output
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from paged_jax.seeds import seed_for_sample
@@ -29,96 +29,13 @@ logger = logging.getLogger("paged_jax")
 REQUEST_FAILED = "request failed while processing its output"
 
 
-@dataclass
-class EngineArgs:
-    """The engine's options, with vLLM's names and defaults (see ``LLM``)."""
-
-    model: Optional[str] = None
-    tokenizer: Optional[str] = None
-    dtype: str = "auto"
-    block_size: int = 16
-    num_kv_blocks: Optional[int] = None
-    swap_space: float = 4  # GiB of host memory for swapped-out blocks
-    gpu_memory_utilization: float = 0.9  # fraction of accelerator memory (not used on the CPU)
-    cpu_kv_cache_space: float = 4  # GiB cap for the KV cache on the CPU
-    max_num_seqs: int = 256
-    max_num_batched_tokens: Optional[int] = None
-    max_model_len: Optional[int] = None
-    preemption_mode: Optional[str] = None
-    enable_chunked_prefill: bool = False
-    enable_prefix_caching: bool = False
-    # False: samples and beams get copies instead of shared blocks (a baseline for measuring sharing).
-    enable_block_sharing: bool = True
-    attention_backend: str = "auto"  # a backend name; "auto": "native" on a CPU where it can, else "reference"
-    seed: int = 0
-    watermark: float = 0.01
-    tensor_parallel_size: int = 1  # devices the model is split over (Megatron-style; paged_jax.parallel)
-
-    def __post_init__(self):
-        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or not 1 <= self.block_size <= 256:
-            raise ValueError(f"block_size must be an integer in [1, 256], got {self.block_size!r}")
-        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
-            raise ValueError(f"num_kv_blocks must be an integer >= 2 (one block is the reserved null block), "
-                             f"got {self.num_kv_blocks!r}")
-        if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
-            raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
-        if not isinstance(self.seed, int):
-            raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        tp = self.tensor_parallel_size
-        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
-
-
 class LLMEngine:
     def __init__(self, args: EngineArgs):
-        from transformers import AutoTokenizer
-
-        from paged_jax.executor.model_runner import (ModelRunner, available_kv_memory, enable_compilation_cache,
-                                                     num_blocks_for_memory)
-        from paged_jax.models.tiny import default_model_path
-        from paged_jax.parallel import load_for_serving
-
-        self.args = args
-        model_path = str(args.model or default_model_path())
-        enable_compilation_cache()
-        self.model_config, params, mesh = load_for_serving(model_path, args.dtype, args.tensor_parallel_size)
-        mc = self.model_config
-        self.tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_path)
-        eos = {self.tokenizer.eos_token_id} | set(mc.eos_token_id or ())
-        self.eos_token_ids = frozenset(e for e in eos if e is not None)
-        self.eos_token_id = self.tokenizer.eos_token_id if self.tokenizer.eos_token_id is not None else (
-            min(self.eos_token_ids) if self.eos_token_ids else None)
-
-        max_model_len = args.max_model_len or mc.max_position_embeddings
-        if max_model_len > mc.max_position_embeddings:
-            raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                             f"{mc.max_position_embeddings}")
-        budget = args.max_num_batched_tokens or (512 if args.enable_chunked_prefill else max(max_model_len, 2048))
-        self.scheduler_config = SchedulerConfig(args.max_num_seqs, budget, max_model_len, args.preemption_mode,
-                                                args.enable_chunked_prefill)
-        bs = args.block_size
-        # No pool needs more than every sequence at full length could use (plus the null block).
-        cap = args.max_num_seqs * -(-max_model_len // bs) + 1
-        if args.num_kv_blocks is not None:
-            num_gpu_blocks = args.num_kv_blocks
-        else:
-            num_gpu_blocks = min(cap, num_blocks_for_memory(
-                mc, bs, available_kv_memory(args.gpu_memory_utilization, args.cpu_kv_cache_space,
-                                            args.tensor_parallel_size)))
-            if num_gpu_blocks < 2:
-                raise ValueError("not enough memory for a KV cache: give num_kv_blocks or more memory")
-        num_cpu_blocks = min(cap, int(args.swap_space * (1 << 30)) // (mc.kv_bytes_per_token * bs))
-        block_manager = BlockManager(bs, num_gpu_blocks, num_cpu_blocks, watermark=args.watermark,
-                                     enable_prefix_caching=args.enable_prefix_caching,
-                                     enable_block_sharing=args.enable_block_sharing)
-        runner = ModelRunner(mc, params, bs, num_gpu_blocks, num_cpu_blocks, args.attention_backend, args.seed,
-                             mesh=mesh)
-        logger.info("paged-jax engine: model=%s family=%s dtype=%s attention=%s blocks=%d x %d tokens (host %d), "
-                    "max_model_len=%d", model_path, mc.family, mc.dtype, runner.attention_backend, num_gpu_blocks, bs,
-                    num_cpu_blocks, max_model_len)
-        self._init_core(self.scheduler_config, block_manager, runner, mc.vocab_size)
+        """Load the model of ``args`` and build the engine's parts (see :func:`build_engine_parts`)."""
+        parts = build_engine_parts(args)
+        self.args, self.model_config, self.tokenizer = args, parts.model_config, parts.tokenizer
+        self.eos_token_ids, self.eos_token_id = parts.eos_token_ids, parts.eos_token_id
+        self._init_core(parts.scheduler_config, parts.block_manager, parts.runner, parts.model_config.vocab_size)
 
     @classmethod
     def from_components(cls, scheduler_config: SchedulerConfig, block_manager: BlockManager, executor: Executor,
@@ -332,7 +249,7 @@ class LLMEngine:
         outputs = [o for o in pending if o.request_id not in touched]
         for rid, group in touched.items():
             if rid not in self._prefix_requests:  # add_prefix's own requests are internal
-                outputs.append(self._request_output(group))
+                outputs.append(request_output(group, self._prompt_logprobs.get(rid)))
             if group.is_finished():
                 self._groups.pop(rid, None)
                 self._prompt_logprobs.pop(rid, None)
@@ -456,30 +373,6 @@ class LLMEngine:
             return detokenize_incrementally(self.tokenizer, seq, params)
         finally:
             self.timings["detokenize"] += time.perf_counter() - t0
-
-    def _request_output(self, group: SequenceGroup) -> RequestOutput:
-        p = group.sampling_params
-        seqs = group.get_seqs()
-        finished = group.is_finished()
-        if group.beam is not None:
-            # Finished: the best hypotheses by length-penalised score; meanwhile (or when the request
-            # ended early, before any hypothesis) the best beams by cumulative logprob.
-            hyps = [s for s in seqs if s.beam_score is not None]
-            if finished and hyps:
-                seqs = sorted(hyps, key=lambda s: -s.beam_score)[: p.n]
-            else:
-                seqs = sorted([s for s in seqs if s.beam_score is None],
-                              key=lambda s: -s.cumulative_logprob)[: p.n]
-        elif len(seqs) > 1 and finished:
-            # best_of > n: the n samples with the highest cumulative logprob.
-            seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: p.n]
-        elif len(seqs) > 1:
-            seqs = seqs[: p.n]
-        outs = [CompletionOutput(i, s.output_text, list(s.output_token_ids), s.cumulative_logprob,
-                                 list(s.output_logprobs) if p.logprobs is not None else None,
-                                 s.status.finish_reason, s.stop_reason) for i, s in enumerate(seqs)]
-        return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids),
-                             self._prompt_logprobs.get(group.request_id), outs, finished, group.finish_message)
 
     # ---- statistics ----------------------------------------------------------
     def get_stats(self) -> dict:

@@ -12,7 +12,10 @@ No JAX here.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
+
+if TYPE_CHECKING:
+    from paged_jax.sequence import SequenceGroup
 
 SampleLogprobs = list[dict[int, float]]
 PromptLogprobs = list[Optional[dict[int, float]]]
@@ -81,3 +84,30 @@ class RequestOutput:
             f"prompt_token_ids={self.prompt_token_ids}, prompt_logprobs={self.prompt_logprobs}, "
             f"outputs={self.outputs}, finished={self.finished})"
         )
+
+
+def request_output(group: "SequenceGroup", prompt_logprobs: Optional[PromptLogprobs]) -> RequestOutput:
+    """What a request has to show so far: its ``n`` best sequences (beam hypotheses by
+    length-penalised score, ``best_of`` samples by cumulative logprob once finished)."""
+    p = group.sampling_params
+    seqs = group.get_seqs()
+    finished = group.is_finished()
+    if group.beam is not None:
+        # Finished: the best hypotheses by length-penalised score; meanwhile (or when the request
+        # ended early, before any hypothesis) the best beams by cumulative logprob.
+        hyps = [s for s in seqs if s.beam_score is not None]
+        if finished and hyps:
+            seqs = sorted(hyps, key=lambda s: -s.beam_score)[: p.n]
+        else:
+            seqs = sorted([s for s in seqs if s.beam_score is None],
+                          key=lambda s: -s.cumulative_logprob)[: p.n]
+    elif len(seqs) > 1 and finished:
+        # best_of > n: the n samples with the highest cumulative logprob.
+        seqs = sorted(seqs, key=lambda s: s.cumulative_logprob, reverse=True)[: p.n]
+    elif len(seqs) > 1:
+        seqs = seqs[: p.n]
+    outs = [CompletionOutput(i, s.output_text, list(s.output_token_ids), s.cumulative_logprob,
+                             list(s.output_logprobs) if p.logprobs is not None else None,
+                             s.status.finish_reason, s.stop_reason) for i, s in enumerate(seqs)]
+    return RequestOutput(group.request_id, group.prompt, list(group.prompt_token_ids),
+                         prompt_logprobs, outs, finished, group.finish_message)

@@ -1,0 +1,115 @@
+"""EngineArgs (the engine's options, vLLM's names and defaults) and the parts an engine is built
+from: the model and tokenizer loaded, the scheduler's limits, the KV pool sized in blocks, the
+model runner."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from paged_jax.memory.block_manager import BlockManager
+from paged_jax.scheduler import SchedulerConfig
+
+logger = logging.getLogger("paged_jax")
+
+
+@dataclass
+class EngineArgs:
+    """The engine's options, with vLLM's names and defaults (see ``LLM``)."""
+
+    model: Optional[str] = None
+    tokenizer: Optional[str] = None
+    dtype: str = "auto"
+    block_size: int = 16
+    num_kv_blocks: Optional[int] = None
+    swap_space: float = 4  # GiB of host memory for swapped-out blocks
+    gpu_memory_utilization: float = 0.9  # fraction of accelerator memory (not used on the CPU)
+    cpu_kv_cache_space: float = 4  # GiB cap for the KV cache on the CPU
+    max_num_seqs: int = 256
+    max_num_batched_tokens: Optional[int] = None
+    max_model_len: Optional[int] = None
+    preemption_mode: Optional[str] = None
+    enable_chunked_prefill: bool = False
+    enable_prefix_caching: bool = False
+    # False: samples and beams get copies instead of shared blocks (a baseline for measuring sharing).
+    enable_block_sharing: bool = True
+    attention_backend: str = "auto"  # a backend name; "auto": "native" on a CPU where it can, else "reference"
+    seed: int = 0
+    watermark: float = 0.01
+    tensor_parallel_size: int = 1  # devices the model is split over (Megatron-style; paged_jax.parallel)
+
+    def __post_init__(self):
+        if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or not 1 <= self.block_size <= 256:
+            raise ValueError(f"block_size must be an integer in [1, 256], got {self.block_size!r}")
+        if self.num_kv_blocks is not None and (not isinstance(self.num_kv_blocks, int) or self.num_kv_blocks < 2):
+            raise ValueError(f"num_kv_blocks must be an integer >= 2 (one block is the reserved null block), "
+                             f"got {self.num_kv_blocks!r}")
+        if not isinstance(self.swap_space, (int, float)) or self.swap_space < 0:
+            raise ValueError(f"swap_space must be a number of GiB >= 0, got {self.swap_space!r}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+        if not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        tp = self.tensor_parallel_size
+        if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
+
+
+@dataclass
+class EngineParts:
+    model_config: Any  # paged_jax.models.config.ModelConfig
+    tokenizer: Any
+    eos_token_ids: frozenset
+    eos_token_id: Optional[int]
+    scheduler_config: SchedulerConfig
+    block_manager: BlockManager
+    runner: Any  # paged_jax.executor.model_runner.ModelRunner
+
+
+def build_engine_parts(args: EngineArgs) -> EngineParts:
+    """Load the model (and tokenizer) of ``args``, size the KV pool and build the model runner."""
+    from transformers import AutoTokenizer
+
+    from paged_jax.executor.model_runner import (ModelRunner, available_kv_memory, enable_compilation_cache,
+                                                 num_blocks_for_memory)
+    from paged_jax.models.tiny import default_model_path
+    from paged_jax.parallel import load_for_serving
+
+    model_path = str(args.model or default_model_path())
+    enable_compilation_cache()
+    mc, params, mesh = load_for_serving(model_path, args.dtype, args.tensor_parallel_size)
+    tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_path)
+    eos = {tokenizer.eos_token_id} | set(mc.eos_token_id or ())
+    eos_token_ids = frozenset(e for e in eos if e is not None)
+    eos_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else (
+        min(eos_token_ids) if eos_token_ids else None)
+
+    max_model_len = args.max_model_len or mc.max_position_embeddings
+    if max_model_len > mc.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
+                         f"{mc.max_position_embeddings}")
+    budget = args.max_num_batched_tokens or (512 if args.enable_chunked_prefill else max(max_model_len, 2048))
+    scheduler_config = SchedulerConfig(args.max_num_seqs, budget, max_model_len, args.preemption_mode,
+                                       args.enable_chunked_prefill)
+    bs = args.block_size
+    # No pool needs more than every sequence at full length could use (plus the null block).
+    cap = args.max_num_seqs * -(-max_model_len // bs) + 1
+    if args.num_kv_blocks is not None:
+        num_gpu_blocks = args.num_kv_blocks
+    else:
+        num_gpu_blocks = min(cap, num_blocks_for_memory(
+            mc, bs, available_kv_memory(args.gpu_memory_utilization, args.cpu_kv_cache_space,
+                                        args.tensor_parallel_size)))
+        if num_gpu_blocks < 2:
+            raise ValueError("not enough memory for a KV cache: give num_kv_blocks or more memory")
+    num_cpu_blocks = min(cap, int(args.swap_space * (1 << 30)) // (mc.kv_bytes_per_token * bs))
+    block_manager = BlockManager(bs, num_gpu_blocks, num_cpu_blocks, watermark=args.watermark,
+                                 enable_prefix_caching=args.enable_prefix_caching,
+                                 enable_block_sharing=args.enable_block_sharing)
+    runner = ModelRunner(mc, params, bs, num_gpu_blocks, num_cpu_blocks, args.attention_backend, args.seed,
+                         mesh=mesh)
+    logger.info("paged-jax engine: model=%s family=%s dtype=%s attention=%s blocks=%d x %d tokens (host %d), "
+                "max_model_len=%d", model_path, mc.family, mc.dtype, runner.attention_backend, num_gpu_blocks, bs,
+                num_cpu_blocks, max_model_len)
+    return EngineParts(mc, tokenizer, eos_token_ids, eos_token_id, scheduler_config, block_manager, runner)
