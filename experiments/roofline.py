@@ -28,8 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
-import sys
 import time
 from pathlib import Path
 

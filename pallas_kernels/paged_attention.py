@@ -31,7 +31,6 @@ backend (``jax.experimental.pallas.triton.CompilerParams``), because in JAX 0.10
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp

@@ -22,7 +22,7 @@ from paged_jax.executor.batch import Batch, SeqChunk, bucket, prepare_part, spli
 from paged_jax.executor.interface import RowSampling, Sample, StepResult, check_sampling
 from paged_jax.memory import cache_ops
 from paged_jax.models import compute_logits, forward
-from paged_jax.models.config import DTYPE_BYTES, ModelConfig
+from paged_jax.models.config import ModelConfig
 from paged_jax.outputs import make_logprobs_dict
 from paged_jax.sampler import SamplingTensors, sample, seed_for_sample, token_logprobs
 from paged_jax.scheduler import SchedulerOutput
