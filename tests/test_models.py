@@ -87,6 +87,22 @@ def test_qwen2_sliding_window_applies_to_the_layers_transformers_says():
         model_config_from_hf(dict(base, use_sliding_window=True, sliding_window=8, layer_types=["chunked"] * 4))
 
 
+def test_mistral_window_is_on_every_layer_or_none():
+    from paged_jax.errors import ModelLoadError
+    from paged_jax.models.config import model_config_from_hf
+
+    base = dict(architectures=["MistralForCausalLM"], vocab_size=32, hidden_size=64, intermediate_size=128,
+                num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)
+    on = model_config_from_hf(dict(base, sliding_window=16))
+    assert on.family == "mistral" and [on.attention_spec(i).sliding_window for i in range(3)] == [16] * 3
+    off = model_config_from_hf(dict(base, sliding_window=None))
+    assert [off.attention_spec(i).sliding_window for i in range(3)] == [None] * 3
+    with pytest.raises(ModelLoadError, match="sliding_window must be a positive integer or null, got 0"):
+        model_config_from_hf(dict(base, sliding_window=0))
+    with pytest.raises(ModelLoadError, match="layer_types"):
+        model_config_from_hf(dict(base, sliding_window=16, layer_types=["full_attention"] * 3))
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_half_precision_close_to_float32(hf_model_dir, dtype):
     path = hf_model_dir("llama_gqa")
