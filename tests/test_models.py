@@ -67,10 +67,11 @@ def test_unsupported_architecture_lists_the_supported_ones():
     from paged_jax.errors import ModelLoadError
     from paged_jax.models.config import model_config_from_hf
 
-    with pytest.raises(ModelLoadError, match="MistralForCausalLM.*supported: .*'Qwen2ForCausalLM'"):
-        model_config_from_hf({"architectures": ["MistralForCausalLM"]})
-    with pytest.raises(ModelLoadError, match="model_type 'mistral'.*'GPT2LMHeadModel'"):
-        model_config_from_hf({"model_type": "mistral"})
+    with pytest.raises(ModelLoadError,
+                       match="Gemma2ForCausalLM.*supported: .*'MistralForCausalLM'.*'Qwen2ForCausalLM'"):
+        model_config_from_hf({"architectures": ["Gemma2ForCausalLM"]})
+    with pytest.raises(ModelLoadError, match="model_type 'gemma2'.*'GPT2LMHeadModel'"):
+        model_config_from_hf({"model_type": "gemma2"})
 
 
 def test_qwen2_sliding_window_applies_to_the_layers_transformers_says():
