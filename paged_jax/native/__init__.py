@@ -145,14 +145,6 @@ def _dtype(q, k_cache, v_cache) -> Optional[str]:
     return dtypes.pop() if len(dtypes) == 1 and dtypes <= set(TARGETS) else None
 
 
-def supports(q, k_cache, v_cache) -> bool:
-    """Whether :func:`paged_decode` can run these operands here (all float32 or all bfloat16,
-    CPU, kernel built)."""
-    import jax
-
-    return _dtype(q, k_cache, v_cache) is not None and jax.default_backend() == "cpu" and available()
-
-
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> "jax.Array":
     """Same contract as :func:`paged_jax.attention.decode.paged_decode_attention` (float32 or
     bfloat16, one dtype for all three; float32 arithmetic); rows with ``context_lens <= 0`` give zeros."""

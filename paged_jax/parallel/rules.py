@@ -37,8 +37,6 @@ ROLE_SPECS = {
 
 # The KV cache, per layer (k, v) each [num_blocks, block_size, num_kv_heads, head_dim]: split over KV heads.
 KV_CACHE_SPEC = P(None, None, AXIS, None)
-# Attention inputs/outputs inside the backend: q [S, Q, heads, D], caches as above.
-HEADS_SPEC = P(None, None, AXIS, None)
 
 
 def fit(spec: P, shape: tuple, tp: int) -> P:
