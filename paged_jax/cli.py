@@ -8,18 +8,20 @@ import logging
 import sys
 import time
 
+# The default model was trained on the Python standard library's source: code prompts suit it.
 DEMO_PROMPTS = [
-    "Hello, my name is", "The president of the United States is", "The capital of France is",
-    "The future of AI is", "Once upon a time", "The quick brown fox", "In the beginning",
-    "Please write a short poem about the moon", "What is two plus two?", "Translate into German: the cat",
-    "The weather today is", "def add(a, b):", "Memory is the bottleneck because", "A block table maps",
-    "She opened the window and", "The library opens at", "Large language models generate",
-    "Numbers: one two three", "Good morning,", "Researchers measure throughput in",
+    "def __init__(self, ", "import os\nimport sys\n", "class ParseError(Exception):\n    \"\"\"",
+    "    def __repr__(self):\n        return ", "for i in range(", "if __name__ == '__main__':\n    ",
+    "        raise ValueError(", "def read_file(path):\n    with open(", "try:\n    import ",
+    "    @property\n    def name(self):\n        ", "def is_valid(value):\n    \"\"\"Return True if",
+    "        self.", "    def close(self):\n", "def join(a, *p):\n", "        if not isinstance(",
+    "    # ", "    except KeyError:\n        ", "def main():\n    parser = ", "    return ''.join(",
+    "__all__ = [",
 ]
 
 
 def _engine_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=None, help="HF model folder (default: the bundled tiny LLaMA)")
+    p.add_argument("--model", default=None, help="HF model folder (default: the bundled model, trained on the Python standard library)")
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-kv-blocks", type=int, default=None)

@@ -1,4 +1,5 @@
-"""Tiny random models in Hugging Face format, made offline and deterministically.
+"""Tiny random models in Hugging Face format, made offline and deterministically, and the
+path of the bundled (trained) default model.
 
 Writes ``config.json``, ``model.safetensors`` (random weights from a seed) and a
 byte-level BPE tokenizer trained with the ``tokenizers`` library on a small
@@ -13,8 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -23,7 +22,7 @@ from paged_jax.models import FAMILIES
 from paged_jax.models.config import model_config_from_hf
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
-DEFAULT_MODEL_NAME = "tiny-llama-v2"
+DEFAULT_MODEL = Path(__file__).parent / "data" / "default-model"
 
 # Small shapes per family (each family file's ``tiny_config``); override any field with keyword arguments.
 TINY_CONFIGS = {name: fam.tiny_config for name, fam in FAMILIES.items()}
@@ -40,12 +39,13 @@ def _printable_alphabet() -> list[str]:
     return sorted({ch for piece, _ in byte_level.pre_tokenize_str(chars) for ch in piece})
 
 
-def train_tokenizer(family: str, vocab_size: int = 512):
-    """A byte-level BPE tokenizer trained on the bundled corpus (deterministic).
+def train_tokenizer(family: str, vocab_size: int = 512, files: list[str] | None = None, all_bytes: bool = False):
+    """A byte-level BPE tokenizer trained on ``files`` (default: the bundled corpus), deterministic.
 
-    Its alphabet is the byte-level images of printable ASCII (other bytes map to
-    the unknown token), so the random models' outputs read as word pieces rather
-    than control characters and broken UTF-8."""
+    By default its alphabet is the byte-level images of printable ASCII (other bytes map to
+    the unknown token), so the random models' outputs read as word pieces rather than
+    control characters and broken UTF-8; ``all_bytes``: every byte (any text encodes), for
+    a trained model."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
     sp = SPECIAL_TOKENS[family]
@@ -54,8 +54,9 @@ def train_tokenizer(family: str, vocab_size: int = 512):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=specials, show_progress=False,
-                                  initial_alphabet=_printable_alphabet())
-    tok.train([str(CORPUS)], trainer)
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet() if all_bytes
+                                  else _printable_alphabet())
+    tok.train(files or [str(CORPUS)], trainer)
     if sp["add_bos"]:
         bos_id = tok.token_to_id(sp["bos"])
         tok.post_processor = processors.TemplateProcessing(single=f"{sp['bos']} $A", special_tokens=[(sp["bos"], bos_id)])
@@ -68,16 +69,11 @@ def make_tiny_model(out: str | os.PathLike, family: str = "llama", seed: int = 0
     if family not in TINY_CONFIGS:
         raise ValueError(f"family must be one of {sorted(TINY_CONFIGS)}, got {family!r}")
     from safetensors.numpy import save_file
-    from transformers import PreTrainedTokenizerFast
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     tok = train_tokenizer(family, vocab_size)
-    sp = SPECIAL_TOKENS[family]
-    cfg = dict(TINY_CONFIGS[family], vocab_size=tok.get_vocab_size(), torch_dtype=dtype,
-               bos_token_id=tok.token_to_id(sp["bos"]), eos_token_id=tok.token_to_id(sp["eos"]))
-    if sp["pad"]:
-        cfg["pad_token_id"] = tok.token_to_id(sp["pad"])
+    cfg = dict(TINY_CONFIGS[family], torch_dtype=dtype, **save_tokenizer(tok, family, out))
     cfg.update(overrides)
     (out / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
@@ -96,28 +92,32 @@ def make_tiny_model(out: str | os.PathLike, family: str = "llama", seed: int = 0
         tensors = {k: v.astype(getattr(ml_dtypes, dtype) if dtype == "bfloat16" else np.float16)
                    for k, v in tensors.items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
 
+
+def save_tokenizer(tok, family: str, out: Path) -> dict:
+    """Write ``tok`` (from :func:`train_tokenizer`) as HF tokenizer files and a generation config
+    into ``out``; returns the config.json fields it fixes (vocabulary size, special token ids)."""
+    from transformers import PreTrainedTokenizerFast
+
+    sp = SPECIAL_TOKENS[family]
+    fields = dict(vocab_size=tok.get_vocab_size(), bos_token_id=tok.token_to_id(sp["bos"]),
+                  eos_token_id=tok.token_to_id(sp["eos"]))
+    if sp["pad"]:
+        fields["pad_token_id"] = tok.token_to_id(sp["pad"])
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token=sp["bos"], eos_token=sp["eos"],
                                    unk_token=sp["unk"], pad_token=sp["pad"])
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(str(out))
     (out / "generation_config.json").write_text(json.dumps(
-        {"bos_token_id": cfg["bos_token_id"], "eos_token_id": cfg["eos_token_id"]}, indent=2) + "\n")
-    return out
+        {"bos_token_id": fields["bos_token_id"], "eos_token_id": fields["eos_token_id"]}, indent=2) + "\n")
+    return fields
 
 
 def default_model_path() -> Path:
-    """The bundled default model, built on first use into the user cache (deterministic)."""
-    root = Path(os.environ.get("PAGED_JAX_HOME", Path.home() / ".cache" / "paged_jax"))
-    path = root / "models" / DEFAULT_MODEL_NAME
-    if not (path / "model.safetensors").is_file():
-        root.joinpath("models").mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(dir=root / "models", prefix=".building-"))
-        make_tiny_model(tmp, family="llama", seed=0)
-        if path.exists():
-            shutil.rmtree(path)
-        tmp.rename(path)
-    return path
+    """The bundled default model: a small LLaMA trained on the Python standard library's source
+    (``experiments/train_default_model.py``; its model card is the folder's ``README.md``)."""
+    return DEFAULT_MODEL
 
 
 def main(argv=None):

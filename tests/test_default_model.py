@@ -1,0 +1,70 @@
+"""The bundled default model: trained (not random), equal to transformers, and its training
+script writes a folder both load the same way (a smoke run, not the real training)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+from paged_jax import LLM, SamplingParams
+from paged_jax.models.tiny import default_model_path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "experiments"))
+
+PROMPTS = ["def __init__(self, ", "import os\nimport sys\n", "    def __repr__(self):\n        return "]
+
+
+def _greedy_hf(folder, prompts, n):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    out = []
+    for p in prompts:
+        ids = tok(p, return_tensors="pt").input_ids
+        gen = model.generate(ids, max_new_tokens=n, do_sample=False, eos_token_id=None, pad_token_id=0)
+        out.append(gen[0, ids.shape[1]:].tolist())
+    return out
+
+
+def _greedy_engine(folder, prompts, n):
+    llm = LLM(str(folder), max_model_len=256)
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+def test_default_model_is_bundled_and_equal_to_transformers():
+    folder = default_model_path()
+    assert (folder / "model.safetensors").is_file() and (folder / "README.md").is_file()
+    assert _greedy_engine(folder, PROMPTS, 24) == _greedy_hf(folder, PROMPTS, 24)
+
+
+def test_default_model_perplexity_is_far_below_its_vocabulary():
+    """A random model's held-out perplexity is about its vocabulary size; the trained one's is
+    at most a tenth of it (the acceptance bound), through the engine's prompt logprobs."""
+    import eval_perplexity
+    from transformers import AutoTokenizer
+
+    folder = str(default_model_path())
+    tok = AutoTokenizer.from_pretrained(folder)
+    windows = eval_perplexity.token_windows(tok, 128, 4)
+    nll, n = eval_perplexity.engine_nll(folder, windows, "float32")
+    assert math.exp(nll / n) <= len(tok) / 10
+
+
+def test_training_script_writes_a_folder_the_engine_and_transformers_agree_on(tmp_path):
+    out = tmp_path / "model"
+    cmd = [sys.executable, str(ROOT / "experiments" / "train_default_model.py"), "--out", str(out), "--steps", "3",
+           "--batch-size", "2", "--seq-len", "32", "--vocab-size", "300", "--max-files", "4", "--eval-every", "2",
+           "--eval-windows", "2", "--set", "hidden_size=32", "intermediate_size=64", "num_hidden_layers=1",
+           "num_attention_heads=2", "num_key_value_heads=1"]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=600)
+    record = json.loads((out / "training.json").read_text())
+    assert len(record["eval_loss"]) == 2 and all(math.isfinite(v) for _, v in record["eval_loss"])
+    assert (out / "training_loss.png").stat().st_size > 0
+    assert _greedy_engine(out, PROMPTS[:2], 8) == _greedy_hf(out, PROMPTS[:2], 8)
