@@ -36,10 +36,16 @@ HF_VARIANTS = {
                                              num_attention_heads=4, num_key_value_heads=2,
                                              max_position_embeddings=512, initializer_range=0.15,
                                              tie_word_embeddings=False, sliding_window=6)),
+    # head_dim 32 with 4 heads over hidden 64; layer 1 attends through a 7-token window
+    "qwen3_window": ("Qwen3Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                                         max_position_embeddings=512, initializer_range=0.15,
+                                         tie_word_embeddings=True, use_sliding_window=True, sliding_window=7,
+                                         max_window_layers=1)),
     "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, initializer_range=0.15)),
 }
 FAMILY_OF = {"LlamaConfig": "llama", "OPTConfig": "opt", "GPT2Config": "gpt2", "Qwen2Config": "qwen2",
-             "MistralConfig": "mistral"}
+             "MistralConfig": "mistral", "Qwen3Config": "qwen3"}
 
 
 def make_hf_model(variant: str, out: Path, seed: int = 0) -> Path:
@@ -57,7 +63,7 @@ def make_hf_model(variant: str, out: Path, seed: int = 0) -> Path:
     config = getattr(transformers, cls_name)(vocab_size=tok.get_vocab_size(), **ids, **kw)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    if family in ("llama", "opt", "qwen2", "mistral"):
+    if family in ("llama", "opt", "qwen2", "mistral", "qwen3"):
         # HF initialises norms to ones/biases to zeros; perturb them so the test sees they are loaded.
         with torch.no_grad():
             for name, p in model.named_parameters():

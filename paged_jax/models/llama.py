@@ -91,8 +91,11 @@ def embed(params, c, input_ids, positions):
 def layer(lp, c, h, positions, kv, attn):
     x = rms_norm(h, lp["ln1"], c.norm_eps)
     inv_freq = c.rope_inv_freq()
-    q = apply_rope(split_heads(linear(x, lp["q"]), c.num_heads, c.head_dim), positions, inv_freq)
-    k = apply_rope(split_heads(linear(x, lp["k"]), c.num_kv_heads, c.head_dim), positions, inv_freq)
+    q = split_heads(linear(x, lp["q"]), c.num_heads, c.head_dim)
+    k = split_heads(linear(x, lp["k"]), c.num_kv_heads, c.head_dim)
+    if "q_norm" in lp:  # Qwen3: an RMSNorm over each head of Q and K, before the rotation
+        q, k = rms_norm(q, lp["q_norm"], c.norm_eps), rms_norm(k, lp["k_norm"], c.norm_eps)
+    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
     v = split_heads(linear(x, lp["v"]), c.num_kv_heads, c.head_dim)
     o, kv = attn(q, k, v, kv)
     h = h + linear(o.reshape(o.shape[0], -1), lp["o"])

@@ -14,7 +14,8 @@ from paged_jax.models.family import ModelFamily
 LAYER_TYPES = ("full_attention", "sliding_attention")
 
 
-def config_from_hf(cfg: dict, dt: str, where: str) -> ModelConfig:
+def config_from_hf(cfg: dict, dt: str, where: str, family: str = "qwen2") -> ModelConfig:
+    """``family``: Qwen3 reads the same fields."""
     num_layers = int(cfg.get("num_hidden_layers", 0))
     window = cfg.get("sliding_window") if cfg.get("use_sliding_window", False) else None
     layer_types = None
@@ -29,7 +30,7 @@ def config_from_hf(cfg: dict, dt: str, where: str) -> ModelConfig:
             raise ModelLoadError(f"{where}: layer_types must list one of {LAYER_TYPES} per layer "
                                  f"({num_layers}), got {layer_types!r}")
         layer_types = tuple(layer_types)
-    return llama.config_from_hf(cfg, dt, where, family="qwen2", sliding_window=window, layer_types=layer_types)
+    return llama.config_from_hf(cfg, dt, where, family=family, sliding_window=window, layer_types=layer_types)
 
 
 # The same tensors as LLaMA's, with Q/K/V biases and no output-projection bias.
