@@ -42,10 +42,16 @@ HF_VARIANTS = {
                                          max_position_embeddings=512, initializer_range=0.15,
                                          tie_word_embeddings=True, use_sliding_window=True, sliding_window=7,
                                          max_window_layers=1)),
+    # layer 0 attends through a 6-token window, layer 1 to everything; soft-caps small enough to bite
+    "gemma2": ("Gemma2Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                    query_pre_attn_scalar=24, max_position_embeddings=512, initializer_range=0.15,
+                                    sliding_window=6, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
     "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, initializer_range=0.15)),
 }
 FAMILY_OF = {"LlamaConfig": "llama", "OPTConfig": "opt", "GPT2Config": "gpt2", "Qwen2Config": "qwen2",
-             "MistralConfig": "mistral", "Qwen3Config": "qwen3"}
+             "MistralConfig": "mistral", "Qwen3Config": "qwen3",
+             "Gemma2Config": "gemma2"}
 
 
 def make_hf_model(variant: str, out: Path, seed: int = 0) -> Path:
@@ -63,7 +69,7 @@ def make_hf_model(variant: str, out: Path, seed: int = 0) -> Path:
     config = getattr(transformers, cls_name)(vocab_size=tok.get_vocab_size(), **ids, **kw)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    if family in ("llama", "opt", "qwen2", "mistral", "qwen3"):
+    if family in ("llama", "opt", "qwen2", "mistral", "qwen3", "gemma2"):
         # HF initialises norms to ones/biases to zeros; perturb them so the test sees they are loaded.
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -68,10 +68,10 @@ def test_unsupported_architecture_lists_the_supported_ones():
     from paged_jax.models.config import model_config_from_hf
 
     with pytest.raises(ModelLoadError,
-                       match="Gemma2ForCausalLM.*supported: .*'MistralForCausalLM'.*'Qwen2ForCausalLM'"):
-        model_config_from_hf({"architectures": ["Gemma2ForCausalLM"]})
-    with pytest.raises(ModelLoadError, match="model_type 'gemma2'.*'GPT2LMHeadModel'"):
-        model_config_from_hf({"model_type": "gemma2"})
+                       match="FalconForCausalLM.*supported: .*'MistralForCausalLM'.*'Qwen2ForCausalLM'"):
+        model_config_from_hf({"architectures": ["FalconForCausalLM"]})
+    with pytest.raises(ModelLoadError, match="model_type 'falcon'.*'GPT2LMHeadModel'"):
+        model_config_from_hf({"model_type": "falcon"})
 
 
 def test_qwen2_sliding_window_applies_to_the_layers_transformers_says():
@@ -114,3 +114,27 @@ def test_half_precision_close_to_float32(hf_model_dir, dtype):
     a = PagedRunner(c32, p32).prefill_logits(prompt)[0]
     b = PagedRunner(c16, p16).prefill_logits(prompt)[0]
     assert np.max(np.abs(a - b)) < 0.1 * max(1.0, np.max(np.abs(a)))
+
+
+@pytest.mark.parametrize("variant", ["gemma2", "mistral_window", "qwen3_window"])
+def test_windowed_families_greedy_with_chunked_prefill_and_prefix_caching(hf_model_dir, variant):
+    """Windows and soft-caps through the engine's other paths: prompts prefilled in 8-token chunks,
+    the second prompt's shared prefix read from cached blocks; greedy tokens equal transformers'."""
+    from paged_jax import LLM, SamplingParams
+
+    path = hf_model_dir(variant)
+    hf = load_hf(path)
+    rng = np.random.default_rng(3)
+    shared = list(rng.integers(3, hf.config.vocab_size, size=20))
+    prompts = [shared + list(rng.integers(3, hf.config.vocab_size, size=n)) for n in (3, 9)]
+    llm = LLM(str(path), block_size=8, max_model_len=128, enable_chunked_prefill=True, max_num_batched_tokens=8,
+              enable_prefix_caching=True)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    for i, p in enumerate(prompts):
+        got = list(llm.generate(prompt_token_ids=[p], sampling_params=params)[0].outputs[0].token_ids)
+        if i == 0:  # the first prompt's full blocks stay cached for the second
+            assert llm.llm_engine.block_manager.get_usage().num_cached_gpu_blocks >= 2
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               do_sample=False, max_new_tokens=24, min_new_tokens=24, pad_token_id=0)
+        assert got == want[0, len(p):].tolist()

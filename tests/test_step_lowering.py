@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -61,6 +62,7 @@ def test_step_lowers_for_cuda_with_the_pallas_backend(family, dtype, tiny_dirs):
     for cfg, kind in itertools.product((config, variant), SHAPES):
         text = lower_step(cfg, params, kv_caches, kind)
         kernel = "paged_prefill_attention" if kind == "prefill" else "paged_decode_attention"
-        # Every layer calls the step's kernel (one jitted function, lowered once), a Triton call; no CPU kernel.
-        assert text.count(f"call @{kernel}(") == config.num_layers, (family, kind)
+        # Every layer calls the step's kernel, a Triton call; no CPU kernel. (Layers with the same spec share
+        # one lowered function; layers whose specs differ, e.g. Gemma 2's windowed and full ones, get one each.)
+        assert len(re.findall(rf"call @{kernel}(_\d+)?\(", text)) == config.num_layers, (family, kind)
         assert "__gpu$xla.gpu.triton" in text and "paged_jax_paged_decode" not in text, (family, kind)

@@ -14,11 +14,11 @@ from __future__ import annotations
 import functools
 
 from paged_jax.attention import paged_attention_layer
-from paged_jax.models import gpt2, llama, mistral, opt, qwen2, qwen3
+from paged_jax.models import gemma2, gpt2, llama, mistral, opt, qwen2, qwen3
 from paged_jax.models.config import ModelConfig
 from paged_jax.models.family import ModelFamily
 
-FAMILIES: dict[str, ModelFamily] = {m.FAMILY.name: m.FAMILY for m in (llama, opt, gpt2, qwen2, qwen3, mistral)}
+FAMILIES: dict[str, ModelFamily] = {m.FAMILY.name: m.FAMILY for m in (llama, opt, gpt2, qwen2, qwen3, mistral, gemma2)}
 
 
 def forward(params, config: ModelConfig, input_ids, positions, kv_caches, meta, attn):
@@ -35,11 +35,14 @@ def forward(params, config: ModelConfig, input_ids, positions, kv_caches, meta, 
 
 
 def compute_logits(params, config: ModelConfig, hidden):
-    """Float32 logits: the LM head's, or a tied model's input embedding's."""
+    """Float32 logits: the LM head's, or a tied model's input embedding's (soft-capped if the config says so)."""
     import jax.numpy as jnp
 
     logits = params["lm_head"](hidden) if "lm_head" in params else params["embed"].logits(hidden)
-    return logits.astype(jnp.float32)
+    logits = logits.astype(jnp.float32)
+    if config.final_logit_softcap is not None:
+        logits = config.final_logit_softcap * jnp.tanh(logits / config.final_logit_softcap)
+    return logits
 
 
 __all__ = ["ModelConfig", "ModelFamily", "FAMILIES", "forward", "compute_logits"]

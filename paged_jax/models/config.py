@@ -54,6 +54,7 @@ class ModelConfig:
     layer_types: Optional[tuple[str, ...]] = None
     attn_logit_softcap: Optional[float] = None
     attention_scale: Optional[float] = None
+    final_logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     # Token ids
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[tuple[int, ...]] = field(default=None)

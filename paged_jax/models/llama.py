@@ -11,17 +11,20 @@ from paged_jax.models.layers import apply_rope, linear, rms_norm, split_heads
 from paged_jax.models.weights import DenseEmbedding, DenseLinear
 
 
-def config_from_hf(cfg: dict, dt: str, where: str, family: str = "llama", **extra) -> ModelConfig:
-    """LLaMA's config.json fields; ``family`` and ``extra`` fields for families built on it (Qwen2)."""
+def config_from_hf(cfg: dict, dt: str, where: str, family: str = "llama", activations: tuple = ("silu",),
+                   **extra) -> ModelConfig:
+    """LLaMA's config.json fields; ``family``, the ``activations`` it supports and ``extra`` fields
+    for families built on it (Qwen2, Gemma 2)."""
     hidden = int(require(cfg, "hidden_size", where))
     heads = int(require(cfg, "num_attention_heads", where))
     kv_heads = int(cfg.get("num_key_value_heads") or heads)
     head_dim = int(cfg.get("head_dim") or hidden // heads)
     if heads % kv_heads:
         raise ModelLoadError(f"{where}: num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}")
-    act = cfg.get("hidden_act", "silu")
-    if act != "silu":
-        raise ModelLoadError(f"{where}: hidden_act {act!r} is not supported for {family}; supported: ['silu']")
+    act = cfg.get("hidden_activation") or cfg.get("hidden_act") or activations[0]
+    if act not in activations:
+        raise ModelLoadError(f"{where}: hidden activation {act!r} is not supported for {family}; "
+                             f"supported: {list(activations)}")
     if int(cfg.get("pretraining_tp", 1)) != 1:
         raise ModelLoadError(f"{where}: pretraining_tp={cfg['pretraining_tp']} is not supported; supported: 1")
     theta, scaling = rope_from_hf(cfg, where)
@@ -30,7 +33,7 @@ def config_from_hf(cfg: dict, dt: str, where: str, family: str = "llama", **extr
         num_layers=int(require(cfg, "num_hidden_layers", where)), num_heads=heads, num_kv_heads=kv_heads,
         head_dim=head_dim, intermediate_size=int(require(cfg, "intermediate_size", where)),
         max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)),
-        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), activation="silu",
+        norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), activation=act,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), dtype=dt,
         rope_theta=theta, rope_scaling=scaling, attention_bias=bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)), bos_token_id=cfg.get("bos_token_id"),
