@@ -34,6 +34,8 @@ class EngineArgs:
     enable_prefix_caching: bool = False
     # False: samples and beams get copies instead of shared blocks (a baseline for measuring sharing).
     enable_block_sharing: bool = True
+    # False: keep the blocks a sliding window has passed (a baseline for measuring what freeing them saves).
+    free_blocks_outside_window: bool = True
     attention_backend: str = "auto"  # a backend name; "auto": "native" on a CPU where it can, else "reference"
     seed: int = 0
     watermark: float = 0.01
@@ -104,9 +106,12 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         if num_gpu_blocks < 2:
             raise ValueError("not enough memory for a KV cache: give num_kv_blocks or more memory")
     num_cpu_blocks = min(cap, int(args.swap_space * (1 << 30)) // (mc.kv_bytes_per_token * bs))
+    # Blocks behind the window can go only when every layer attends through one window.
+    windows = {mc.attention_spec(i).sliding_window for i in range(mc.num_layers)}
+    window = windows.pop() if len(windows) == 1 and args.free_blocks_outside_window else None
     block_manager = BlockManager(bs, num_gpu_blocks, num_cpu_blocks, watermark=args.watermark,
                                  enable_prefix_caching=args.enable_prefix_caching,
-                                 enable_block_sharing=args.enable_block_sharing)
+                                 enable_block_sharing=args.enable_block_sharing, sliding_window=window)
     runner = ModelRunner(mc, params, bs, num_gpu_blocks, num_cpu_blocks, args.attention_backend, args.seed,
                          mesh=mesh)
     logger.info("paged-jax engine: model=%s family=%s dtype=%s attention=%s blocks=%d x %d tokens (host %d), "

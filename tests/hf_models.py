@@ -34,7 +34,7 @@ HF_VARIANTS = {
     # every layer attends through a 6-token window
     "mistral_window": ("MistralConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                              num_attention_heads=4, num_key_value_heads=2,
-                                             max_position_embeddings=512, initializer_range=0.15,
+                                             max_position_embeddings=2048, initializer_range=0.15,
                                              tie_word_embeddings=False, sliding_window=6)),
     # head_dim 32 with 4 heads over hidden 64; layer 1 attends through a 7-token window
     "qwen3_window": ("Qwen3Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,

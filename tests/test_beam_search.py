@@ -1,5 +1,5 @@
 """Beam search through the engine against Hugging Face ``generate(num_beams=k)``: the same
-beams, in the same order, for LLaMA and OPT, widths 2 and 4, each early_stopping setting,
+beams, in the same order, for LLaMA, OPT and Mistral (a 6-token window: blocks behind it freed), widths 2 and 4, each early_stopping setting,
 with and without preemption; beams share their common history's blocks."""
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def _hf_beams(model, prompt, width, early_stopping, length_penalty, eos_ids):
     return beams
 
 
-@pytest.fixture(scope="module", params=["llama_gqa", "opt_pre"])
+@pytest.fixture(scope="module", params=["llama_gqa", "opt_pre", "mistral_window"])  # the last frees blocks
 def case(request, hf_model_dir):
     path = hf_model_dir(request.param)
     hf = load_hf(path)

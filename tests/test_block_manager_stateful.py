@@ -42,15 +42,20 @@ def kv_values(token_ids: list[int]) -> list[int]:
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    @initialize(caching=st.booleans(), watermark=st.sampled_from([0.0, 0.1]))
-    def setup(self, caching: bool, watermark: float) -> None:
-        self.bm = BlockManager(BS, NUM_GPU_BLOCKS, NUM_CPU_BLOCKS, watermark, caching)
+    @initialize(caching=st.booleans(), watermark=st.sampled_from([0.0, 0.1]), window=st.sampled_from([None, 3, 4]))
+    def setup(self, caching: bool, watermark: float, window) -> None:
+        self.window = window  # a sliding window on every layer: blocks it has passed are freed
+        self.bm = BlockManager(BS, NUM_GPU_BLOCKS, NUM_CPU_BLOCKS, watermark, caching, sliding_window=window)
         self.groups: list[SequenceGroup] = []
         self.ids = itertools.count()
         self.mem = {Device.GPU: defaultdict(lambda: [None] * BS), Device.CPU: defaultdict(lambda: [None] * BS)}
         self.pins: dict[int, list[int]] = {}  # handle -> expected values of the pinned slots
 
     # ---- helpers ----------------------------------------------------------------------
+    def live(self, seq: Sequence) -> list[int]:
+        """The blocks the sequence's table holds: all but the entries the window freed."""
+        return self.bm.get_block_table(seq)[self.bm.get_num_freed_blocks(seq):]
+
     def with_status(self, status: SequenceStatus) -> list[SequenceGroup]:
         return [g for g in self.groups if g.seqs[0].status is status]
 
@@ -85,11 +90,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
         status, dst = {Device.GPU: (SequenceStatus.RUNNING, Device.CPU),
                        Device.CPU: (SequenceStatus.SWAPPED, Device.GPU)}[src]
         seqs = group.get_seqs(status)
-        before = [self.bm.get_block_table(s) for s in seqs]
+        before = [self.live(s) for s in seqs]
         mapping = self.bm.swap_out(group) if src is Device.GPU else self.bm.swap_in(group)
-        assert set(mapping) == {b for t in before for b in t}
+        assert set(mapping) == {b for t in before for b in t}  # freed entries move nothing
         assert len(set(mapping.values())) == len(mapping)  # one block per block: sharing survives
-        assert [self.bm.get_block_table(s) for s in seqs] == [[mapping[b] for b in t] for t in before]
+        assert [self.live(s) for s in seqs] == [[mapping[b] for b in t] for t in before]
         for old, new in mapping.items():
             self.mem[dst][new] = list(self.mem[src][old])
         for seq in seqs:
@@ -192,6 +197,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def pin(self, pick) -> None:
         running = self.with_status(SequenceStatus.RUNNING)
         seq = running[pick % len(running)].seqs[0]
+        if self.bm.get_num_freed_blocks(seq):  # refused: its prefix is no longer held
+            return
         handle = self.bm.pin_prefix(seq)
         values = kv_values(seq.get_token_ids())
         self.pins[handle] = values[:len(self.bm.get_pinned_blocks(handle)) * BS]
@@ -219,13 +226,21 @@ class BlockManagerMachine(RuleBasedStateMachine):
                     out.append((seq, device, self.bm.get_block_table(seq)))
         return out
 
+    def first_live_position(self, seq: Sequence) -> int:
+        return self.bm.get_num_freed_blocks(seq) * BS
+
     @invariant()
     def refcounts_match_tables_and_pins(self) -> None:
         self.bm.check_invariants()
         expected = {Device.GPU: Counter(), Device.CPU: Counter()}
         for seq, device, table in self.live_tables():
-            expected[device].update(table)
+            expected[device].update(self.live(seq))
             assert len(table) <= -(-seq.get_len() // BS)  # waste under one block
+            freed = self.bm.get_num_freed_blocks(seq)
+            if device is Device.GPU:
+                assert table[:freed] == [NULL_BLOCK] * freed
+            # Only blocks no token still to compute can see are freed.
+            assert freed == 0 or freed * BS <= seq.num_computed_tokens - self.window + 1
         for handle in self.pins:
             expected[Device.GPU].update(self.bm.get_pinned_blocks(handle))
         for device, allocator in ((Device.GPU, self.bm.gpu_allocator), (Device.CPU, self.bm.cpu_allocator)):
@@ -244,7 +259,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def check_contents(self) -> None:
         for seq, device, table in self.live_tables():
             values = kv_values(seq.get_token_ids())
-            for pos in range(seq.num_computed_tokens):
+            for pos in range(self.first_live_position(seq), seq.num_computed_tokens):
                 assert self.mem[device][table[pos // BS]][pos % BS] == values[pos], (seq.seq_id, pos)
         for handle, values in self.pins.items():
             for pos, value in enumerate(values):

@@ -138,3 +138,33 @@ def test_windowed_families_greedy_with_chunked_prefill_and_prefix_caching(hf_mod
             want = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                                do_sample=False, max_new_tokens=24, min_new_tokens=24, pad_token_id=0)
         assert got == want[0, len(p):].tolist()
+
+
+@pytest.mark.parametrize("block_size,num_tokens", [(8, 300), (16, 1000)])
+def test_mistral_frees_the_blocks_its_window_has_passed(hf_model_dir, block_size, num_tokens):
+    """Every layer attends through a 6-token window, so the block manager frees the blocks behind
+    it: the sequence holds at most ceil(window / block_size) + 1 blocks at every decoding step, and its greedy
+    tokens stay equal to transformers' over a generation many windows long."""
+    from paged_jax import SamplingParams
+    from paged_jax.engine import LLMEngine
+    from paged_jax.engine_args import EngineArgs
+
+    path = hf_model_dir("mistral_window")
+    hf = load_hf(path)
+    window = hf.config.sliding_window
+    prompt = prompts_for(hf.config.vocab_size, lens=[21], seed=4)[0]
+    engine = LLMEngine(EngineArgs(model=str(path), block_size=block_size, max_model_len=num_tokens + 32))
+    assert engine.block_manager.sliding_window == window
+    engine.add_request("0", None, SamplingParams(temperature=0, max_tokens=num_tokens, ignore_eos=True), prompt)
+    most_blocks, got, steps = 0, None, 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got = list(out.outputs[0].token_ids)
+        steps += 1
+        if steps > 1 and engine.has_unfinished_requests():  # decoding (the prompt's step holds all its blocks)
+            most_blocks = max(most_blocks, engine.block_manager.get_usage().num_used_gpu_blocks)
+    assert most_blocks <= -(-window // block_size) + 1
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                           do_sample=False, max_new_tokens=num_tokens, min_new_tokens=num_tokens, pad_token_id=0)
+    assert got == want[0, len(prompt):].tolist()

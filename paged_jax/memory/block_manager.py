@@ -25,6 +25,13 @@ hold (``seq.get_len()`` at the last ``allocate`` / ``append_slot``). Invariants
 - A sequence only writes into a block with reference count 1: ``append_slot``
   copies a shared partly filled last block first (copy-on-write).
 - Only blocks whose K/V are computed are findable by prefix lookup.
+- With a sliding window on every layer (``sliding_window``), a table's leading entries
+  wholly outside the window of every token still to compute are *freed*: they hold no
+  block and no reference (the null block on the device, so block indices and the layout
+  attention reads are unchanged; the window masks those positions). Freed entries are
+  only leading ones, and only blocks whose every token is at least ``sliding_window``
+  behind the table's newest token. A decoding sequence then holds at most
+  ``ceil(sliding_window / block_size) + 1`` blocks.
 
 Prefix sharing comes in two forms. *Automatic prefix caching*
 (``enable_prefix_caching=True``): ``mark_blocks_computed`` registers each full
@@ -42,7 +49,7 @@ from collections import Counter
 from dataclasses import dataclass
 from typing import Optional
 
-from paged_jax.memory.block_allocator import BlockAllocator, Device
+from paged_jax.memory.block_allocator import NULL_BLOCK, BlockAllocator, Device
 from paged_jax.memory.block_pool import BlockPool
 from paged_jax.memory.block_table import (AllocationPlan, AllocStatus, BlockTable, blocks_for, num_growth_blocks,
                                           plan_allocation, plan_growth)
@@ -80,18 +87,26 @@ class BlockManager:
     """
 
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, watermark: float = 0.01,
-                 enable_prefix_caching: bool = False, enable_block_sharing: bool = True) -> None:
+                 enable_prefix_caching: bool = False, enable_block_sharing: bool = True,
+                 sliding_window: Optional[int] = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if not 0.0 <= watermark < 1.0:
             raise ValueError(f"watermark must be in [0, 1), got {watermark}")
         if enable_prefix_caching and not enable_block_sharing:
             raise ValueError("enable_prefix_caching=True needs enable_block_sharing=True")
+        if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+            raise ValueError(f"sliding_window must be None or a positive integer, got {sliding_window!r}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         # False: a baseline that copies instead of sharing (fork copies every block; a request's
         # samples or beams never share). For measuring what sharing saves.
         self.enable_block_sharing = enable_block_sharing
+        # Set only when every layer of the model attends through this window: a model with
+        # full-attention layers too (Gemma 2) needs every key in those layers, so it keeps all
+        # blocks (one pool per layer kind, as vLLM's hybrid manager keeps, would free them for
+        # the windowed layers alone).
+        self.sliding_window = sliding_window
         self.gpu_allocator = BlockAllocator(Device.GPU, num_gpu_blocks, reserve_null_block=True)
         self.cpu_allocator = BlockAllocator(Device.CPU, num_cpu_blocks)
         # Pinned prefixes are registered in the cache even when automatic caching is off.
@@ -173,6 +188,7 @@ class BlockManager:
         if num_tokens < table.num_tokens:
             raise ValueError(f"sequence {seq.seq_id} has {num_tokens} tokens, fewer than the "
                              f"{table.num_tokens} its blocks hold")
+        self._free_outside_window(seq, table)
         growth = plan_growth(table, num_tokens, self.block_size, self.gpu_allocator.get_ref_count)
         self.gpu_pool.ensure_free(growth.num_new + growth.copy_last, "append_slot")
         copy = None
@@ -200,18 +216,20 @@ class BlockManager:
             raise ValueError(f"sequence {child_seq.seq_id} already has a block table")
         if self.enable_block_sharing:
             blocks, copies = list(parent.blocks), []
-            for block in parent.blocks:
+            for block in parent.live_blocks:
                 self._pools[parent.device].incref(block)
         else:
             if parent.device is not Device.GPU:
                 raise ValueError(f"sequence {parent_seq.seq_id} is swapped out: fork it on the device")
-            self.gpu_pool.ensure_free(len(parent.blocks),
+            self.gpu_pool.ensure_free(len(parent.live_blocks),
                                       "fork without block sharing (enable_block_sharing=False is a measurement "
                                       "baseline; give it a KV cache with room for every copy)")
-            blocks = [self.gpu_pool.new_block() for _ in parent.blocks]
-            copies = list(zip(parent.blocks, blocks))
+            live = [self.gpu_pool.new_block() for _ in parent.live_blocks]
+            copies = list(zip(parent.live_blocks, live))
+            blocks = parent.blocks[:parent.num_freed] + live
         self._tables[child_seq.seq_id] = BlockTable(parent.device, blocks, parent.num_tokens,
-                                                    list(parent.block_hashes) if self.enable_block_sharing else [])
+                                                    list(parent.block_hashes) if self.enable_block_sharing else [],
+                                                    num_freed=parent.num_freed)
         return copies
 
     def free(self, seq: Sequence) -> None:
@@ -220,7 +238,7 @@ class BlockManager:
         released first so it is evicted before the prefix."""
         table = self._tables.pop(seq.seq_id, None)
         if table is not None:
-            for block in reversed(table.blocks):
+            for block in reversed(table.live_blocks):
                 self._pools[table.device].release(block)
 
     # ---- swapping ------------------------------------------------------------------
@@ -258,6 +276,9 @@ class BlockManager:
         caching. A prefix shorter than a block pins nothing. Returns a handle for
         ``unpin_prefix``."""
         table = self._table(seq, Device.GPU)
+        if table.num_freed:
+            raise ValueError(f"sequence {seq.seq_id}: its leading blocks are freed (past the sliding window); "
+                             "a prefix to pin must be shorter than the window")
         num_full = min(seq.num_computed_tokens, table.num_tokens) // self.block_size
         blocks = []
         for i, (block_hash, block_tokens) in enumerate(
@@ -286,7 +307,12 @@ class BlockManager:
         return seq.seq_id in self._tables
 
     def get_block_table(self, seq: Sequence) -> list[int]:
+        """The sequence's blocks in token order (freed leading entries: the null block)."""
         return list(self._table(seq).blocks)
+
+    def get_num_freed_blocks(self, seq: Sequence) -> int:
+        """How many leading entries of the table are freed (the sliding window has passed them)."""
+        return self._table(seq).num_freed
 
     def get_num_free_gpu_blocks(self) -> int:
         """Free device blocks, evictable cached blocks included."""
@@ -301,7 +327,7 @@ class BlockManager:
         reserved = 0
         for table in self._tables.values():
             if table.device is Device.GPU:
-                for i, block in enumerate(table.blocks):
+                for i, block in enumerate(table.live_blocks, table.num_freed):
                     tokens = min(self.block_size, max(0, table.num_tokens - i * self.block_size))
                     fill[block] = max(fill.get(block, 0), tokens)
                 reserved += len(table.blocks) - blocks_for(table.num_tokens, self.block_size)
@@ -318,7 +344,14 @@ class BlockManager:
                      f"sequence {seq_id}: {len(table.blocks)} blocks for {table.num_tokens} tokens")
             _require(len(table.block_hashes) <= table.num_tokens // self.block_size,
                      f"sequence {seq_id}: more block hashes than full blocks")
-            refs[table.device].update(table.blocks)
+            if table.num_freed:
+                _require(self.sliding_window is not None and
+                         table.num_freed * self.block_size <= table.num_tokens - self.sliding_window,
+                         f"sequence {seq_id}: {table.num_freed} leading blocks freed, but not all of their tokens "
+                         f"are {self.sliding_window} behind its {table.num_tokens} tokens")
+                _require(table.device is Device.CPU or set(table.blocks[:table.num_freed]) == {NULL_BLOCK},
+                         f"sequence {seq_id}: a freed entry of a device table is not the null block")
+            refs[table.device].update(table.live_blocks)
         for device, pool in self._pools.items():
             pool.check_invariants(refs[device])
         registered, pinned = set(self._cache.registered_blocks()), set(self.gpu_pool.pinned_blocks())
@@ -351,7 +384,8 @@ class BlockManager:
         parent = table.block_hashes[-1] if start else None
         new = list(iter_block_hashes(seq.get_token_ids(), self.block_size, num_full, start, parent))
         table.block_hashes.extend(h for h, _ in new)
-        return [(h, tokens, table.blocks[i]) for i, (h, tokens) in enumerate(new, start)]
+        # Freed entries hold no block (their hashes still chain the ones after them).
+        return [(h, tokens, table.blocks[i]) for i, (h, tokens) in enumerate(new, start) if i >= table.num_freed]
 
     def _num_growth_blocks(self, seqs: list[Sequence], device: Device) -> int:
         """Fresh blocks ``append_slot`` needs to grow every sequence's table to ``get_len()`` tokens."""
@@ -359,7 +393,19 @@ class BlockManager:
                                  self._pools[device].allocator.get_ref_count)
 
     def _distinct_blocks(self, seqs: list[Sequence]) -> set[int]:
-        return {b for seq in seqs for b in self._table(seq).blocks}
+        return {b for seq in seqs for b in self._table(seq).live_blocks}
+
+    def _free_outside_window(self, seq: Sequence, table: BlockTable) -> None:
+        """Free the leading blocks no token still to compute can see: the earliest such token sits
+        at position ``num_computed_tokens`` and sees keys from ``num_computed_tokens - window + 1`` on."""
+        if self.sliding_window is None or table.min_blocks:
+            return
+        first_query = min(seq.num_computed_tokens, table.num_tokens - 1)
+        num_outside = max(0, first_query - self.sliding_window + 1) // self.block_size
+        for i in range(table.num_freed, min(num_outside, len(table.blocks) - 1)):
+            self.gpu_pool.release(table.blocks[i])
+            table.blocks[i] = NULL_BLOCK
+            table.num_freed = i + 1
 
     def _move(self, seqs: list[Sequence], src: Device, dst: Device) -> dict[int, int]:
         """Move the sequences' tables from pool ``src`` to ``dst``. A block shared by
@@ -369,13 +415,13 @@ class BlockManager:
         self._pools[dst].ensure_free(len(self._distinct_blocks(seqs)), f"swap to {dst.value}")
         mapping: dict[int, int] = {}
         for table in tables:
-            for block in table.blocks:
+            for block in table.live_blocks:
                 if block in mapping:
                     self._pools[dst].incref(mapping[block])
                 else:
                     mapping[block] = self._pools[dst].new_block()
                 self._pools[src].release(block)
-            table.blocks = [mapping[b] for b in table.blocks]
+            table.blocks = [NULL_BLOCK] * table.num_freed + [mapping[b] for b in table.live_blocks]
             table.device = dst
             table.block_hashes.clear()  # new blocks: mark_blocks_computed hashes and registers them anew
         return mapping

@@ -30,6 +30,14 @@ class BlockTable:
     num_tokens: int  # tokens the blocks hold
     block_hashes: list[bytes]  # chained hashes of the leading full, computed blocks
     min_blocks: int = 0  # blocks reserved at admission: the table never holds fewer
+    # Leading entries freed because every layer's sliding window has passed them: they hold no
+    # block (the null block on the device, so the layout attention reads keeps its indices).
+    num_freed: int = 0
+
+    @property
+    def live_blocks(self) -> list[int]:
+        """The blocks the table holds (a reference each): all but the freed leading entries."""
+        return self.blocks[self.num_freed:]
 
     def last_index(self, block_size: int) -> int:
         """Index of the block holding the last token (the last block unless reserved)."""
