@@ -91,7 +91,6 @@ def matmuls_alone(params, hidden: int, batch: int):
     take the native matmul and plain ones XLA's."""
     import dataclasses
 
-    from paged_jax.models import compute_logits
     from paged_jax.models.weights import LINEAR_TYPES
 
     layers = [[dataclasses.replace(p, b=None) for p in lp.values() if isinstance(p, LINEAR_TYPES)]  # matmuls only
@@ -106,7 +105,8 @@ def matmuls_alone(params, hidden: int, batch: int):
         for ps in layers:
             for p in ps:
                 y = p(fit(y, p.in_features))
-        return compute_logits(head, None, fit(y, hidden))
+        y = fit(y, hidden)  # the LM head's matmul (no soft-cap: matmuls only)
+        return head["lm_head"](y) if "lm_head" in head else head["embed"].logits(y)
 
     fn = jax.jit(f)
     x = jnp.ones((batch, hidden), jax.tree_util.tree_leaves(head)[0].dtype)

@@ -47,11 +47,26 @@ HF_VARIANTS = {
                                     num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                     query_pre_attn_scalar=24, max_position_embeddings=512, initializer_range=0.15,
                                     sliding_window=6, attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    # YaRN, factor 4 over an original context of 32: the prompts plus 32 new tokens cross it
+    "llama_yarn": ("LlamaConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+                                       initializer_range=0.15, tie_word_embeddings=False,
+                                       rope_scaling={"rope_type": "yarn", "factor": 4.0, "beta_fast": 16.0,
+                                                     "original_max_position_embeddings": 32})),
+    # fused qkv / gate_up; longrope with short factors over an original context of 64 (the tests stay within
+    # it: see ModelConfig.rope_frequencies), a quarter of each head not rotated
+    "phi3_longrope": ("Phi3Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                         original_max_position_embeddings=64, initializer_range=0.15,
+                                         tie_word_embeddings=False, partial_rotary_factor=0.75,
+                                         rope_scaling={"type": "longrope",
+                                                       "short_factor": [1.0 + 0.2 * i for i in range(6)],
+                                                       "long_factor": [3.0 + 0.5 * i for i in range(6)]})),
     "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, initializer_range=0.15)),
 }
 FAMILY_OF = {"LlamaConfig": "llama", "OPTConfig": "opt", "GPT2Config": "gpt2", "Qwen2Config": "qwen2",
              "MistralConfig": "mistral", "Qwen3Config": "qwen3",
-             "Gemma2Config": "gemma2"}
+             "Gemma2Config": "gemma2", "Phi3Config": "phi3"}
 
 
 def make_hf_model(variant: str, out: Path, seed: int = 0) -> Path:
@@ -69,7 +84,7 @@ def make_hf_model(variant: str, out: Path, seed: int = 0) -> Path:
     config = getattr(transformers, cls_name)(vocab_size=tok.get_vocab_size(), **ids, **kw)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    if family in ("llama", "opt", "qwen2", "mistral", "qwen3", "gemma2"):
+    if family in ("llama", "opt", "qwen2", "mistral", "qwen3", "gemma2", "phi3"):
         # HF initialises norms to ones/biases to zeros; perturb them so the test sees they are loaded.
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -168,3 +168,31 @@ def test_mistral_frees_the_blocks_its_window_has_passed(hf_model_dir, block_size
         want = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
                            do_sample=False, max_new_tokens=num_tokens, min_new_tokens=num_tokens, pad_token_id=0)
     assert got == want[0, len(prompt):].tolist()
+
+
+def test_longrope_frequencies_and_their_switch_equal_transformers(hf_model_dir):
+    """The short and long sets and the attention factor are transformers' own numbers; a token uses the
+    long set from position original_max_position_embeddings on (its position alone decides)."""
+    import jax.numpy as jnp
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from paged_jax.models.layers import apply_rope
+    from paged_jax.models.loader import load_config
+
+    path = hf_model_dir("phi3_longrope")
+    hf_config = load_hf(path).config
+    inv, long_inv, switch, attention = load_config(path).rope_frequencies()
+    short_hf, attention_hf = ROPE_INIT_FUNCTIONS["longrope"](hf_config, None, seq_len=switch)
+    long_hf, _ = ROPE_INIT_FUNCTIONS["longrope"](hf_config, None, seq_len=switch + 1)
+    assert switch == 64 and attention == pytest.approx(attention_hf) and attention > 1
+    np.testing.assert_allclose(inv, short_hf.numpy(), rtol=1e-6)
+    np.testing.assert_allclose(long_inv, long_hf.numpy(), rtol=1e-6)
+    x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 1, 16)), jnp.float32)
+    got = np.asarray(apply_rope(x, jnp.asarray([switch - 1, switch]), (inv, long_inv, switch, attention)))
+    for row, (p, freqs) in enumerate([(switch - 1, inv), (switch, long_inv)]):
+        emb = np.concatenate([p * freqs, p * freqs])
+        cos, sin, rot = np.cos(emb) * attention, np.sin(emb) * attention, 2 * len(freqs)
+        xr = np.asarray(x[row, 0, :rot])
+        want = xr * cos + np.concatenate([-xr[rot // 2:], xr[:rot // 2]]) * sin
+        np.testing.assert_allclose(got[row, 0, :rot], want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(got[row, 0, rot:], np.asarray(x[row, 0, rot:]))  # not rotated

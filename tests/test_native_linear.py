@@ -150,8 +150,6 @@ def test_read_sum_matches_numpy():
 
 
 def test_tied_embedding_packed_once_serves_lookup_and_logits():
-    from paged_jax.models import compute_logits
-
     rng = np.random.default_rng(6)
     embed = jnp.asarray(rng.standard_normal((53, 16)), jnp.float32)  # V = 53: padded to 96
     dense = {"embed": DenseEmbedding(embed, tied=True)}
@@ -160,9 +158,9 @@ def test_tied_embedding_packed_once_serves_lookup_and_logits():
     ids = jnp.asarray([0, 47, 48, 52, 5, -1, -53, 53, 95, 400, -400])  # and outside [0, V): as embed[ids]
     np.testing.assert_array_equal(np.asarray(packed["embed"].lookup(ids)), np.asarray(embed[ids]))
     h = jnp.asarray(rng.standard_normal((3, 16)), jnp.float32)
-    got = np.asarray(compute_logits(packed, None, h))
+    got = np.asarray(packed["embed"].logits(h))
     assert got.shape == (3, 53)
-    np.testing.assert_allclose(got, np.asarray(compute_logits(dense, None, h)), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(got, np.asarray(dense["embed"].logits(h)), rtol=1e-5, atol=1e-5)
 
 
 PORTABLE_CHECK = r"""

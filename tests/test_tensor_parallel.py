@@ -136,7 +136,7 @@ def test_orbax_checkpoint_round_trip_loads_sharded(tp_runs):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("variant", ["llama_tied_scaled", "opt_post", "gpt2", "qwen2_tied_window",
-                                     "mistral_window", "qwen3_window", "gemma2"])
+                                     "mistral_window", "qwen3_window", "gemma2", "phi3_longrope"])
 def test_tp_more_families(hf_model_dir, tmp_path, variant):
     """MQA (1 KV head, replicated), tied embeddings, biases; OPT post-LN with project_in/out; GPT-2;
     Qwen2 (replicated K/V heads with biases, a sliding window on layer 1)."""

@@ -16,7 +16,7 @@ import numpy as np
 from paged_jax.attention.spec import AttentionSpec
 from paged_jax.errors import ModelLoadError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
           "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
           "float": "float32"}
@@ -74,13 +74,22 @@ class ModelConfig:
             window = None
         return AttentionSpec(self.softmax_scale, window, self.attn_logit_softcap)
 
-    def rope_inv_freq(self) -> np.ndarray:
-        """Inverse rotary frequencies, as transformers computes them (float32)."""
-        dim = self.head_dim
-        inv = 1.0 / (self.rope_theta ** (np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim))
-        inv = inv.astype(np.float32)
+    def rope_frequencies(self) -> tuple[np.ndarray, Optional[np.ndarray], int, float]:
+        """RoPE as transformers computes it: ``(inv_freq, long_inv_freq, switch, attention_factor)``.
+
+        ``inv_freq`` has one entry per rotated pair (``partial_rotary_factor`` of the head rotated);
+        ``attention_factor`` scales cos and sin (yarn, longrope). ``longrope`` has a second set,
+        ``long_inv_freq``, for positions from ``switch`` (``original_max_position_embeddings``) on: each
+        token's rotation depends on its position alone, so prefix caching, chunked prefill and
+        preemption give the same keys. (transformers picks one set per forward call, by its longest
+        position, and recomputes the cache when a sequence crosses over; the same tokens as here
+        while a sequence stays within the original context.)"""
         scaling = dict(self.rope_scaling or ())
         kind = scaling.get("rope_type", "default")
+        dim = int(self.head_dim * scaling.get("partial_rotary_factor", 1.0))
+        exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim
+        inv = (1.0 / (self.rope_theta ** exponents)).astype(np.float32)
+        long_inv, switch, attention = None, 0, 1.0
         if kind == "linear":
             inv = inv / np.float32(scaling["factor"])
         elif kind == "llama3":
@@ -94,7 +103,18 @@ class ModelConfig:
             smoothed = (1 - smooth) * scaled / factor + smooth * scaled
             medium = ~(wavelen < high_wavelen) & ~(wavelen > low_wavelen)
             inv = np.where(medium, smoothed, scaled).astype(np.float32)
-        return inv
+        elif kind == "yarn":
+            inv, attention = _yarn(scaling, self.rope_theta, dim, self.max_position_embeddings)
+        elif kind == "longrope":
+            old_len = scaling["original_max_position_embeddings"]
+            factor = scaling.get("factor") or self.max_position_embeddings / old_len
+            attention = scaling.get("attention_factor") or (
+                1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old_len)))
+            base = (self.rope_theta ** exponents).astype(np.float32)
+            inv = (1.0 / (np.asarray(scaling["short_factor"], np.float32) * base)).astype(np.float32)
+            long_inv = (1.0 / (np.asarray(scaling["long_factor"], np.float32) * base)).astype(np.float32)
+            switch = int(old_len)
+        return inv, long_inv, switch, float(attention)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -173,6 +193,36 @@ def model_config_from_hf(cfg: dict, dtype: str = "auto", where: str = "model") -
         raise ModelLoadError(f"{where}: malformed config.json: {e}") from e
 
 
+def _yarn(scaling: dict, theta: float, dim: int, max_positions: int) -> tuple[np.ndarray, float]:
+    """YaRN's inverse frequencies (a ramp between interpolated and original ones) and its attention factor."""
+    old_len = scaling["original_max_position_embeddings"]
+    factor = scaling.get("factor") or max_positions / old_len
+
+    def mscale(scale, m=1.0):
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention = scaling.get("attention_factor")
+    if attention is None:
+        m, m_all = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        attention = mscale(factor, m) / mscale(factor, m_all) if m and m_all else mscale(factor)
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations):
+        return dim * math.log(old_len / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = np.clip((np.arange(dim // 2, dtype=np.float32) - low) / (high - low), 0, 1)
+    pos_freqs = theta ** (np.arange(0, dim, 2, dtype=np.float32) / dim)
+    extrapolation = 1 - ramp
+    inv = (1.0 / (factor * pos_freqs)) * (1 - extrapolation) + (1.0 / pos_freqs) * extrapolation
+    return inv.astype(np.float32), float(attention)
+
+
 def rope_from_hf(cfg: dict, where: str) -> tuple[float, Optional[tuple]]:
     # transformers >= 5 writes rope_parameters; older configs use rope_theta + rope_scaling.
     params = cfg.get("rope_parameters")
@@ -188,11 +238,22 @@ def rope_from_hf(cfg: dict, where: str) -> tuple[float, Optional[tuple]]:
     scaling.pop("rope_theta", None)
     scaling.pop("type", None)
     scaling["rope_type"] = kind
-    if kind == "default":
+    if "partial_rotary_factor" in cfg:  # a top-level field in some configs (Phi-3)
+        scaling.setdefault("partial_rotary_factor", cfg["partial_rotary_factor"])
+    if cfg.get("original_max_position_embeddings") is not None:  # likewise (Phi-3's longrope)
+        scaling.setdefault("original_max_position_embeddings", cfg["original_max_position_embeddings"])
+    partial = float(scaling.get("partial_rotary_factor", 1.0) or 1.0)
+    if not 0 < partial <= 1:
+        raise ModelLoadError(f"{where}: partial_rotary_factor must be in (0, 1], got {partial}")
+    if kind == "default" and partial == 1.0:
         return theta, None
-    needed = {"linear": ["factor"],
-              "llama3": ["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"]}[kind]
+    needed = {"default": [], "linear": ["factor"],
+              "llama3": ["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"],
+              "yarn": ["original_max_position_embeddings"],
+              "longrope": ["short_factor", "long_factor", "original_max_position_embeddings"]}[kind]
     for k in needed:
-        if k not in scaling:
+        if scaling.get(k) is None:
             raise ModelLoadError(f"{where}: rope scaling {kind!r} needs {k!r}; got {sorted(scaling)}")
-    return theta, tuple(sorted((k, v) for k, v in scaling.items() if isinstance(v, (int, float, str))))
+    kept = {k: tuple(v) if isinstance(v, list) else v for k, v in scaling.items()
+            if isinstance(v, (int, float, str, list)) and not isinstance(v, bool) or k == "truncate"}
+    return theta, tuple(sorted(kept.items()))

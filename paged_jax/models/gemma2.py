@@ -71,9 +71,9 @@ def embed(params, c, input_ids, positions):
 
 def layer(lp, c, h, positions, kv, attn):
     x = norm(h, lp["ln1"], c)
-    inv_freq = c.rope_inv_freq()
-    q = apply_rope(split_heads(linear(x, lp["q"]), c.num_heads, c.head_dim), positions, inv_freq)
-    k = apply_rope(split_heads(linear(x, lp["k"]), c.num_kv_heads, c.head_dim), positions, inv_freq)
+    rope = c.rope_frequencies()
+    q = apply_rope(split_heads(linear(x, lp["q"]), c.num_heads, c.head_dim), positions, rope)
+    k = apply_rope(split_heads(linear(x, lp["k"]), c.num_kv_heads, c.head_dim), positions, rope)
     v = split_heads(linear(x, lp["v"]), c.num_kv_heads, c.head_dim)
     o, kv = attn(q, k, v, kv)
     h = h + norm(linear(o.reshape(o.shape[0], -1), lp["o"]), lp["ln2"], c)

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from paged_jax.models.weights import linear  # noqa: F401  (model code's one matmul, any weight format)
 
@@ -32,15 +31,27 @@ ACTIVATIONS = {
 }
 
 
-def apply_rope(x, positions, inv_freq: np.ndarray):
-    """Rotary embedding, transformers' rotate-half layout. x: [T, heads, head_dim]."""
-    freqs = positions.astype(jnp.float32)[:, None] * jnp.asarray(inv_freq)[None, :]  # [T, D/2]
+def apply_rope(x, positions, rope):
+    """Rotary embedding in transformers' rotate-half layout, on the first ``2 * len(inv_freq)`` dims of
+    each head (the rest pass through). x: [T, heads, head_dim]; ``rope``: the config's
+    :meth:`~paged_jax.models.config.ModelConfig.rope_frequencies`."""
+    inv_freq, long_inv_freq, switch, attention_factor = rope
+    inv = jnp.asarray(inv_freq)[None, :]
+    if long_inv_freq is not None:  # longrope: the long set from position ``switch`` on
+        inv = jnp.where(positions[:, None] >= switch, jnp.asarray(long_inv_freq)[None, :], inv)
+    freqs = positions.astype(jnp.float32)[:, None] * inv  # [T, rotated / 2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     cos, sin = jnp.cos(emb)[:, None, :], jnp.sin(emb)[:, None, :]
+    if attention_factor != 1.0:  # yarn, longrope: scaled cos and sin
+        cos, sin = cos * attention_factor, sin * attention_factor
     xf = x.astype(jnp.float32)
-    half = x.shape[-1] // 2
-    rotated = jnp.concatenate([-xf[..., half:], xf[..., :half]], axis=-1)
-    return (xf * cos + rotated * sin).astype(x.dtype)
+    rot = emb.shape[-1]
+    xr, half = xf[..., :rot], rot // 2
+    rotated = jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
+    out = xr * cos + rotated * sin
+    if rot < x.shape[-1]:
+        out = jnp.concatenate([out, xf[..., rot:]], axis=-1)
+    return out.astype(x.dtype)
 
 
 def split_heads(x, num_heads, head_dim):

@@ -38,7 +38,14 @@ def config_from_hf(cfg: dict, dt: str, where: str, family: str = "llama", activa
         rope_theta=theta, rope_scaling=scaling, attention_bias=bool(cfg.get("attention_bias", False)),
         mlp_bias=bool(cfg.get("mlp_bias", False)), bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=eos_tuple(cfg.get("eos_token_id")))
-    return ModelConfig(**{**fields, **extra})
+    config = ModelConfig(**{**fields, **extra})
+    pairs = int(config.head_dim * dict(scaling or ()).get("partial_rotary_factor", 1.0)) // 2
+    for name in ("short_factor", "long_factor"):
+        factors = dict(scaling or ()).get(name)
+        if factors is not None and len(factors) != pairs:
+            raise ModelLoadError(f"{where}: rope scaling {name} has {len(factors)} entries; the rotated part of "
+                                 f"each head needs {pairs} (one per pair of rotated dims)")
+    return config
 
 
 def hf_tensor_shapes(c, qkv_bias: bool = None, o_bias: bool = None) -> dict[str, tuple]:
@@ -93,12 +100,12 @@ def embed(params, c, input_ids, positions):
 
 def layer(lp, c, h, positions, kv, attn):
     x = rms_norm(h, lp["ln1"], c.norm_eps)
-    inv_freq = c.rope_inv_freq()
+    rope = c.rope_frequencies()
     q = split_heads(linear(x, lp["q"]), c.num_heads, c.head_dim)
     k = split_heads(linear(x, lp["k"]), c.num_kv_heads, c.head_dim)
     if "q_norm" in lp:  # Qwen3: an RMSNorm over each head of Q and K, before the rotation
         q, k = rms_norm(q, lp["q_norm"], c.norm_eps), rms_norm(k, lp["k_norm"], c.norm_eps)
-    q, k = apply_rope(q, positions, inv_freq), apply_rope(k, positions, inv_freq)
+    q, k = apply_rope(q, positions, rope), apply_rope(k, positions, rope)
     v = split_heads(linear(x, lp["v"]), c.num_kv_heads, c.head_dim)
     o, kv = attn(q, k, v, kv)
     h = h + linear(o.reshape(o.shape[0], -1), lp["o"])

@@ -43,10 +43,20 @@ class HFTensor:
     name: str
     shape: tuple
     transpose: bool = False
+    first_row: int = 0  # a part of a fused HF tensor: the HF row it starts at
 
     @property
     def T(self) -> "HFTensor":  # params_from_hf writes ``get("lm_head.weight").T``
-        return HFTensor(self.name, self.shape[::-1], not self.transpose)
+        return HFTensor(self.name, self.shape[::-1], not self.transpose, self.first_row)
+
+    def __getitem__(self, key) -> "HFTensor":
+        """``get(name).T[:, a:b]``: columns a..b of the transposed tensor, rows a..b of the HF one
+        (how a family splits a fused projection, e.g. Phi-3's ``qkv_proj``)."""
+        if not (self.transpose and isinstance(key, tuple) and len(key) == 2 and key[0] == slice(None)
+                and isinstance(key[1], slice) and key[1].step in (None, 1)):
+            raise TypeError(f"{self.name}: a weight can be split only as .T[:, a:b], got {key!r}")
+        start, stop, _ = key[1].indices(self.shape[1])
+        return HFTensor(self.name, (self.shape[0], stop - start), True, self.first_row + start)
 
 
 def abstract_params(config: ModelConfig):
@@ -121,8 +131,11 @@ def _load_safetensors(folder: Path, config, abstract, shardings):
 
             def read(index):  # index: this device's slices, in paged-jax layout
                 index = tuple(index)
-                if t.transpose:
-                    return np.ascontiguousarray(view[index[::-1]].T, dtype=dtype)
+                if t.transpose:  # 2-D: paged-jax [in, out] is the HF [out, in] transposed
+                    inputs, outputs = index or (slice(None), slice(None))
+                    start, stop, _ = outputs.indices(t.shape[1])  # this part's columns: HF rows from first_row
+                    hf_rows = slice(t.first_row + start, t.first_row + stop)
+                    return np.ascontiguousarray(view[hf_rows, inputs].T, dtype=dtype)
                 return np.ascontiguousarray(view[index] if index else view[:], dtype=dtype)
 
             return jax.make_array_from_callback(t.shape, sharding, read)
