@@ -259,5 +259,5 @@ def pack_params(params):
     return map_weights(pack, params)
 
 
-__all__ = ["available", "status", "supports", "paged_decode", "packs_weights", "panel_width", "pack_weight", "unpack_weight",
+__all__ = ["available", "status", "paged_decode", "packs_weights", "panel_width", "pack_weight", "unpack_weight",
            "pack_padded", "linear", "pack_params", "read_sum"]
