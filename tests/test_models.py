@@ -116,8 +116,10 @@ def test_half_precision_close_to_float32(hf_model_dir, dtype):
     assert np.max(np.abs(a - b)) < 0.1 * max(1.0, np.max(np.abs(a)))
 
 
-@pytest.mark.parametrize("variant", ["gemma2", "mistral_window", "qwen3_window"])
-def test_windowed_families_greedy_with_chunked_prefill_and_prefix_caching(hf_model_dir, variant):
+@pytest.mark.parametrize("variant,block_size", [("gemma2", 8), ("gemma2", 16), ("mistral_window", 8),
+                                                ("qwen3_window", 16), ("qwen2_tied_window", 8),
+                                                ("phi3_longrope", 16)])
+def test_newer_families_greedy_with_chunked_prefill_and_prefix_caching(hf_model_dir, variant, block_size):
     """Windows and soft-caps through the engine's other paths: prompts prefilled in 8-token chunks,
     the second prompt's shared prefix read from cached blocks; greedy tokens equal transformers'."""
     from paged_jax import LLM, SamplingParams
@@ -127,13 +129,13 @@ def test_windowed_families_greedy_with_chunked_prefill_and_prefix_caching(hf_mod
     rng = np.random.default_rng(3)
     shared = list(rng.integers(3, hf.config.vocab_size, size=20))
     prompts = [shared + list(rng.integers(3, hf.config.vocab_size, size=n)) for n in (3, 9)]
-    llm = LLM(str(path), block_size=8, max_model_len=128, enable_chunked_prefill=True, max_num_batched_tokens=8,
-              enable_prefix_caching=True)
+    llm = LLM(str(path), block_size=block_size, max_model_len=128, enable_chunked_prefill=True,
+              max_num_batched_tokens=8, enable_prefix_caching=True)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     for i, p in enumerate(prompts):
         got = list(llm.generate(prompt_token_ids=[p], sampling_params=params)[0].outputs[0].token_ids)
         if i == 0:  # the first prompt's full blocks stay cached for the second
-            assert llm.llm_engine.block_manager.get_usage().num_cached_gpu_blocks >= 2
+            assert llm.llm_engine.block_manager.get_usage().num_cached_gpu_blocks >= 1
         with torch.no_grad():
             want = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                                do_sample=False, max_new_tokens=24, min_new_tokens=24, pad_token_id=0)
