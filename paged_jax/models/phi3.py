@@ -20,18 +20,15 @@ def config_from_hf(cfg: dict, dt: str, where: str) -> ModelConfig:
 
 
 def hf_tensor_shapes(c) -> dict[str, tuple]:
-    shapes = {"model.embed_tokens.weight": (c.vocab_size, c.hidden_size), "model.norm.weight": (c.hidden_size,)}
-    if not c.tie_word_embeddings:
-        shapes["lm_head.weight"] = (c.vocab_size, c.hidden_size)
+    """LLaMA's tensors (no biases), with Q / K / V and gate / up each one fused tensor."""
+    shapes = llama.hf_tensor_shapes(c, qkv_bias=False, o_bias=False)
     q, kv = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
-        shapes[p + "input_layernorm.weight"] = (c.hidden_size,)
-        shapes[p + "post_attention_layernorm.weight"] = (c.hidden_size,)
+        for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"):
+            del shapes[p + name + ".weight"]
         shapes[p + "self_attn.qkv_proj.weight"] = (q + 2 * kv, c.hidden_size)
-        shapes[p + "self_attn.o_proj.weight"] = (c.hidden_size, q)
         shapes[p + "mlp.gate_up_proj.weight"] = (2 * c.intermediate_size, c.hidden_size)
-        shapes[p + "mlp.down_proj.weight"] = (c.hidden_size, c.intermediate_size)
     return shapes
 
 
