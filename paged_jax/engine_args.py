@@ -40,6 +40,7 @@ class EngineArgs:
     seed: int = 0
     watermark: float = 0.01
     tensor_parallel_size: int = 1  # devices the model is split over (Megatron-style; paged_jax.parallel)
+    quantization: Optional[str] = None  # "int8": the layers' linear weights quantized as they load
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or not 1 <= self.block_size <= 256:
@@ -53,6 +54,11 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        from paged_jax.models.weights import QUANTIZATION_METHODS
+
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be None or one of {list(QUANTIZATION_METHODS)}, "
+                             f"got {self.quantization!r}")
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
@@ -80,7 +86,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
 
     model_path = str(args.model or default_model_path())
     enable_compilation_cache()
-    mc, params, mesh = load_for_serving(model_path, args.dtype, args.tensor_parallel_size)
+    mc, params, mesh = load_for_serving(model_path, args.dtype, args.tensor_parallel_size, args.quantization)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_path)
     eos = {tokenizer.eos_token_id} | set(mc.eos_token_id or ())
     eos_token_ids = frozenset(e for e in eos if e is not None)

@@ -11,9 +11,9 @@ role when it builds the params, and :mod:`paged_jax.parallel.rules` reads it:
 - ``"vocab"``: an embedding table split over its vocabulary rows;
 - ``None``: replicated.
 
-A new storage format (e.g. int8 weights with per-column scales) is one more class here with its
-own ``__call__``, and a converter beside :func:`paged_jax.native.pack_params`; model code
-does not change.
+A storage format is one more class here with its own ``__call__`` (``Int8Linear``: int8 weights
+with per-column scales, from :func:`quantize_int8`), and a converter (``quantize_int8``,
+:func:`paged_jax.native.pack_params`); model code does not change.
 """
 
 from __future__ import annotations
@@ -87,6 +87,55 @@ class PanelLinear:
 
 
 @_pytree
+class Int8Linear:
+    """``x @ (q * scale) (+ b)``: int8 values ``q`` ``[in, out]`` with one float32 scale per output
+    column (symmetric, per channel). The matmul reads the int8 weight and scales its output, which
+    is the same product; XLA converts ``q`` inside the step."""
+
+    STATIC = ("parallel",)
+    q: Any
+    scale: Any
+    b: Any = None
+    parallel: Optional[str] = None
+
+    def __post_init__(self):
+        _check_role(self.parallel)
+
+    @property
+    def in_features(self) -> int:
+        return self.q.shape[0]
+
+    def __call__(self, x):
+        y = (x @ self.q.astype(x.dtype)) * self.scale.astype(x.dtype)
+        return y if self.b is None else y + self.b
+
+
+def quantize_int8(p: DenseLinear) -> Int8Linear:
+    """Per output column, symmetric: ``scale = max |w| / 127``, ``q = round(w / scale)``."""
+    w = p.w.astype(jnp.float32)
+    scale = jnp.max(jnp.abs(w), axis=0) / 127.0
+    scale = jnp.where(scale == 0, 1.0, scale)  # an all-zero column: any scale, its values are 0
+    q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
+    return Int8Linear(q, scale, p.b, p.parallel)
+
+
+QUANTIZATION_METHODS = ("int8",)
+
+
+def quantize_layers(params: dict, method: str) -> dict:
+    """Quantize on load: every linear weight of every layer (``params["layers"]``) with ``method``,
+    in place and one weight at a time, so each float weight can go as its quantized copy comes;
+    embeddings and the LM head stay as they are (as vLLM's on-load quantization leaves them)."""
+    if method not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization must be None or one of {list(QUANTIZATION_METHODS)}, got {method!r}")
+    for lp in params["layers"]:
+        for key, value in lp.items():
+            if isinstance(value, DenseLinear):
+                lp[key] = quantize_int8(value)
+    return params
+
+
+@_pytree
 class DenseEmbedding:
     """A token table ``[vocab, hidden]``; ``tied``: it is the LM head too (logits ``h @ table.T``)."""
 
@@ -129,7 +178,7 @@ class PanelEmbedding:
         return native.linear(h, self.panels)[..., :self.vocab_size]
 
 
-LINEAR_TYPES = (DenseLinear, PanelLinear)
+LINEAR_TYPES = (DenseLinear, PanelLinear, Int8Linear)
 EMBEDDING_TYPES = (DenseEmbedding, PanelEmbedding)
 WEIGHT_TYPES = LINEAR_TYPES + EMBEDDING_TYPES
 
@@ -156,5 +205,6 @@ def map_weights(fn, params):
     return params
 
 
-__all__ = ["DenseLinear", "PanelLinear", "DenseEmbedding", "PanelEmbedding", "LINEAR_TYPES", "EMBEDDING_TYPES",
+__all__ = ["DenseLinear", "PanelLinear", "Int8Linear", "quantize_int8", "quantize_layers", "QUANTIZATION_METHODS",
+           "DenseEmbedding", "PanelEmbedding", "LINEAR_TYPES", "EMBEDDING_TYPES",
            "WEIGHT_TYPES", "PARALLEL_ROLES", "is_weight", "linear", "map_weights"]

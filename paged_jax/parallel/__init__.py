@@ -99,11 +99,14 @@ def shard_backend(backend, mesh) -> ShardedBackend:
     return ShardedBackend(backend, mesh)
 
 
-def load_for_serving(path, dtype: str = "auto", tensor_parallel_size: int = 1):
+def load_for_serving(path, dtype: str = "auto", tensor_parallel_size: int = 1, quantization=None):
     """(ModelConfig, params, mesh or None) for a HF folder or a paged-jax orbax checkpoint.
 
     ``tensor_parallel_size == 1`` on a HF folder is the plain single-device loader.
+    ``quantization`` (``paged_jax.models.weights.QUANTIZATION_METHODS``): quantize the layers'
+    linear weights as they load (sharded ones keep their shards).
     """
+    from paged_jax.models.weights import quantize_layers
     from paged_jax.parallel import checkpoint
 
     tp = tensor_parallel_size
@@ -111,12 +114,15 @@ def load_for_serving(path, dtype: str = "auto", tensor_parallel_size: int = 1):
         from paged_jax.models.loader import load_model
 
         config, params = load_model(path, dtype)
-        return config, params, None
-    config = checkpoint.load_config_any(path, dtype)
-    run_config, rep = check_tensor_parallel(config, tp)  # before any weight is read
-    mesh = make_mesh(tp)
-    params = checkpoint.load_sharded(path, config, mesh, kv_replication=rep)
-    return run_config, params, mesh
+        mesh = None
+    else:
+        model_config = checkpoint.load_config_any(path, dtype)
+        config, rep = check_tensor_parallel(model_config, tp)  # before any weight is read
+        mesh = make_mesh(tp)
+        params = checkpoint.load_sharded(path, model_config, mesh, kv_replication=rep)
+    if quantization is not None:
+        params = quantize_layers(params, quantization)
+    return config, params, mesh
 
 
 __all__ = ["check_tensor_parallel", "make_mesh", "kv_cache_sharding", "replicated", "shard_backend", "ShardedBackend",

@@ -29,9 +29,9 @@ REPLICATED = P()
 
 # role -> {field: spec}; fields not named are replicated
 ROLE_SPECS = {
-    "column": {"w": COL, "b": COL_BIAS},
-    "kv": {"w": COL, "b": COL_BIAS},
-    "row": {"w": ROW},
+    "column": {"w": COL, "b": COL_BIAS, "q": COL, "scale": COL_BIAS},  # q, scale: Int8Linear
+    "kv": {"w": COL, "b": COL_BIAS, "q": COL, "scale": COL_BIAS},
+    "row": {"w": ROW, "q": ROW},  # per-output-column scales: whole on every device
     "vocab": {"table": ROW},
 }
 
