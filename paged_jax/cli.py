@@ -35,8 +35,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices to split the model over (Megatron-style tensor parallelism)")
     p.add_argument("--warm-up", action="store_true", help="compile every reachable step shape before serving")
-    p.add_argument("--quantization", default=None, choices=["int8"],
-                   help="quantize the layers' linear weights as they load (int8: per output channel)")
+    p.add_argument("--quantization", default=None, choices=["int8", "fp8"],
+                   help="quantize the layers' linear weights as they load (per output channel); "
+                        "a quantized checkpoint needs no flag")
 
 
 def _llm(a):

@@ -40,7 +40,7 @@ class EngineArgs:
     seed: int = 0
     watermark: float = 0.01
     tensor_parallel_size: int = 1  # devices the model is split over (Megatron-style; paged_jax.parallel)
-    quantization: Optional[str] = None  # "int8": the layers' linear weights quantized as they load
+    quantization: Optional[str] = None  # "int8" | "fp8": the layers' linear weights quantized as they load
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or not 1 <= self.block_size <= 256:
@@ -54,10 +54,10 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        from paged_jax.models.weights import QUANTIZATION_METHODS
+        from paged_jax.models.quantization import QUANTIZE_ON_LOAD
 
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization must be None or one of {list(QUANTIZATION_METHODS)}, "
+        if self.quantization is not None and self.quantization not in QUANTIZE_ON_LOAD:
+            raise ValueError(f"quantization must be None or one of {list(QUANTIZE_ON_LOAD)}, "
                              f"got {self.quantization!r}")
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:

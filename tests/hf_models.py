@@ -104,3 +104,114 @@ def load_hf(path):
     model = transformers.AutoModelForCausalLM.from_pretrained(path, torch_dtype=torch.float32)
     model.eval()
     return model
+
+
+# compressed-tensors schemes for quantized fixtures: name -> (preset, changes to its weight args);
+# preset None: fp8 weights alone (no activation quantization). Group and block sizes are small
+# enough for the tiny models' 64-wide layers.
+CT_SCHEMES = {
+    "W4A16": ("W4A16", dict(group_size=32)),
+    "W4A16_ASYM": ("W4A16_ASYM", dict(group_size=32)),  # packed zero points
+    "W8A16": ("W8A16", dict(group_size=32)),
+    "W8A8": ("W8A8", {}),  # int8 weights per channel, int8 activations per token
+    "FP8_DYNAMIC": ("FP8_DYNAMIC", {}),  # fp8 weights per channel, fp8 activations per token
+    "FP8_BLOCK": ("FP8_BLOCK", dict(block_structure=[32, 32])),  # activations per group of 128: refused
+    "FP8_TENSOR_W": (None, dict(strategy="tensor")),
+    "FP8_BLOCK_W": (None, dict(strategy="block", block_structure=[32, 32])),
+}
+
+
+def _set_weight_qparams(module) -> None:
+    """Scales and zero points from the weight's own min / max (the calibration llm-compressor does)."""
+    from compressed_tensors.quantization import QuantizationStrategy as S
+    from compressed_tensors.quantization.utils.helpers import calculate_qparams
+
+    args = module.quantization_scheme.weights
+    w = module.weight.data.float()
+    out, inp = w.shape
+    if args.strategy == S.TENSOR:
+        lo, hi = w.amin().reshape(1), w.amax().reshape(1)
+    elif args.strategy == S.CHANNEL:
+        lo, hi = w.amin(1, keepdim=True), w.amax(1, keepdim=True)
+    elif args.strategy == S.GROUP:
+        g = w.reshape(out, inp // args.group_size, args.group_size)
+        lo, hi = g.amin(-1), g.amax(-1)
+    else:
+        bo, bi = args.block_structure
+        b = w.reshape(out // bo, bo, inp // bi, bi)
+        lo, hi = b.amin((1, 3)), b.amax((1, 3))
+    scale, zero = calculate_qparams(lo, hi, args)
+    module.weight_scale.data.copy_(scale.reshape(module.weight_scale.shape))
+    if hasattr(module, "weight_zero_point"):
+        module.weight_zero_point.data.copy_(zero.reshape(module.weight_zero_point.shape))
+
+
+def make_ct_model(variant: str, scheme: str, out: Path, ignore=("lm_head",), seed: int = 0) -> Path:
+    """A tiny random model of ``variant`` quantized by compressed-tensors with ``scheme`` (see
+    CT_SCHEMES) and saved compressed, as llm-compressor saves one; its float original beside it
+    (``<out>-float``)."""
+    import shutil
+
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+    from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
+
+    out = Path(out)
+    src = make_hf_model(variant, out.parent / (out.name + "-float"), seed=seed)
+    model = load_hf(src)
+    preset, changes = CT_SCHEMES[scheme]
+    if preset is None:
+        qs = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=8, type="float",
+                                                                            symmetric=True, **changes))
+    else:
+        qs = preset_name_to_scheme(preset, ["Linear"])
+        for k, v in changes.items():
+            setattr(qs.weights, k, v)
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": qs}, ignore=list(ignore)))
+    for m in model.modules():
+        if getattr(m, "quantization_scheme", None) is not None:
+            _set_weight_qparams(m)
+    compressor = ModelCompressor.from_pretrained_model(model)
+    compressor.compress_model(model)
+    model.save_pretrained(out)
+    compressor.update_config(out)
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(f, out)
+    return out
+
+
+def ct_dequantized_model(path):
+    """The float model compressed-tensors' own decompressors make of a quantized folder (weights
+    dequantized; activations not quantized): the oracle where transformers cannot load the folder."""
+    import json
+    from collections import defaultdict
+
+    import torch
+    import transformers
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    qc = QuantizationConfig.model_validate(json.loads((path / "config.json").read_text())["quantization_config"])
+    scheme = next(iter(qc.config_groups.values()))
+    state = load_file(str(path / "model.safetensors"))
+    modules, floats = defaultdict(dict), {}
+    for k, v in state.items():
+        module, _, leaf = k.rpartition(".")
+        if leaf.startswith("weight_") or (leaf == "weight" and module + ".weight_scale" in state):
+            modules[module][leaf] = v
+        else:
+            floats[k] = v
+    decompressor = BaseCompressor.load_from_registry(scheme.format or qc.format)
+    for module, tensors in modules.items():
+        floats[module + ".weight"] = decompressor.decompress(tensors, scheme)["weight"].float()
+    config = transformers.AutoConfig.from_pretrained(path)
+    del config.quantization_config
+    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(floats, strict=False)
+    assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
+    model.tie_weights()
+    return model.eval()

@@ -8,7 +8,7 @@ from paged_jax.errors import ModelLoadError
 from paged_jax.models.config import ModelConfig, eos_tuple, require, rope_from_hf
 from paged_jax.models.family import ModelFamily
 from paged_jax.models.layers import apply_rope, linear, rms_norm, split_heads
-from paged_jax.models.weights import DenseEmbedding, DenseLinear
+from paged_jax.models.weights import DenseEmbedding
 
 
 def config_from_hf(cfg: dict, dt: str, where: str, family: str = "llama", activations: tuple = ("silu",),
@@ -90,7 +90,7 @@ def params_from_hf(c, get, lin) -> dict:
     params = {"embed": DenseEmbedding(get("model.embed_tokens.weight"), tied=c.tie_word_embeddings),
               "norm": get("model.norm.weight"), "layers": layers}
     if not c.tie_word_embeddings:
-        params["lm_head"] = DenseLinear(get("lm_head.weight").T, parallel="column")
+        params["lm_head"] = lin("lm_head", "column")
     return params
 
 

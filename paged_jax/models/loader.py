@@ -16,6 +16,7 @@ import numpy as np
 from paged_jax.errors import ModelLoadError
 from paged_jax.models import FAMILIES
 from paged_jax.models.config import ModelConfig, model_config_from_hf
+from paged_jax.models.quantization import CheckpointQuantization
 from paged_jax.models.weights import DenseLinear
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -73,6 +74,22 @@ def _safe_keys(f: Path) -> list[str]:
         raise ModelLoadError(f"{f}: cannot read safetensors file (truncated or corrupt?): {e}") from e
 
 
+FLOAT8 = {"F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}  # numpy itself has no float8
+
+
+def _read_float8(f: Path, name: str, dtype: str) -> np.ndarray:
+    """A float8 tensor straight from the file (safetensors' numpy reader refuses them): an
+    8-byte header size, a JSON header with each tensor's byte range, then the data."""
+    import ml_dtypes
+
+    with open(f, "rb") as fh:
+        size = int.from_bytes(fh.read(8), "little")
+        info = json.loads(fh.read(size))[name]
+    start, end = info["data_offsets"]
+    data = np.fromfile(f, dtype=np.uint8, count=end - start, offset=8 + size + start)
+    return data.view(getattr(ml_dtypes, FLOAT8[dtype])).reshape(info["shape"])
+
+
 def load_tensors(folder: Path, names: dict[str, tuple]) -> dict[str, np.ndarray]:
     """Read the named tensors, checking presence and shape."""
     from safetensors import safe_open
@@ -89,7 +106,8 @@ def load_tensors(folder: Path, names: dict[str, tuple]) -> dict[str, np.ndarray]
         try:
             with safe_open(str(f), framework="numpy") as h:
                 for n in ns:
-                    out[n] = h.get_tensor(n)
+                    dt = h.get_slice(n).get_dtype()
+                    out[n] = _read_float8(f, n, dt) if dt in FLOAT8 else h.get_tensor(n)
         except ModelLoadError:
             raise
         except Exception as e:
@@ -100,8 +118,11 @@ def load_tensors(folder: Path, names: dict[str, tuple]) -> dict[str, np.ndarray]
     return out
 
 
-def params_from_tensors(config: ModelConfig, tensors: dict[str, np.ndarray], to_array: Optional[Callable] = None):
-    """Build the family's params pytree from HF-named tensors, cast to the config's dtype."""
+def params_from_tensors(config: ModelConfig, tensors: dict[str, np.ndarray], to_array: Optional[Callable] = None,
+                       quantized_linear: Optional[Callable] = None):
+    """Build the family's params pytree from HF-named tensors, cast to the config's dtype.
+    ``quantized_linear(prefix, bias, parallel)``: the weight object of a linear the checkpoint
+    holds quantized, or None for a float one."""
     import jax.numpy as jnp
 
     dtype = jnp.dtype(config.dtype)
@@ -111,16 +132,46 @@ def params_from_tensors(config: ModelConfig, tensors: dict[str, np.ndarray], to_
         return to_array(tensors[name])
 
     def lin(prefix, parallel):  # HF Linear is [out, in]; we keep [in, out]
-        w = to_array(np.ascontiguousarray(tensors[prefix + ".weight"].T))
-        return DenseLinear(w, get(prefix + ".bias") if prefix + ".bias" in tensors else None, parallel)
+        bias = get(prefix + ".bias") if prefix + ".bias" in tensors else None
+        if quantized_linear is not None:
+            q = quantized_linear(prefix, bias, parallel)
+            if q is not None:
+                return q
+        return DenseLinear(to_array(np.ascontiguousarray(tensors[prefix + ".weight"].T)), bias, parallel)
 
     return FAMILIES[config.family].params_from_hf(config, get, lin)
 
 
 def load_model(path, dtype: str = "auto"):
-    """Return (ModelConfig, params) for a model folder."""
+    """Return (ModelConfig, params) for a model folder (float, or quantized:
+    :mod:`paged_jax.models.quantization`)."""
     folder = Path(path)
-    config = load_config(folder, dtype)
+    raw = read_config(folder)
+    config = model_config_from_hf(raw, dtype=dtype, where=str(folder))
+    quant = CheckpointQuantization.from_hf(raw, str(folder))  # refuses an unsupported format up front
     names = FAMILIES[config.family].hf_tensor_shapes(config)
-    tensors = load_tensors(folder, names)
-    return config, params_from_tensors(config, tensors)
+    if quant is None:
+        return config, params_from_tensors(config, load_tensors(folder, names))
+    files = weight_files(folder)
+    # linear modules stored quantized: their .weight is replaced by the format's tensors
+    pending = {n[:-len(".weight")]: shape for n, shape in names.items()
+               if n.endswith(".weight") and len(shape) == 2 and n[:-len(".weight")] + ".weight_scale" in files}
+    for module in pending:
+        if quant.scheme_for(module) is None:
+            raise ModelLoadError(f"{folder}: {module} is stored quantized, but no config group of its "
+                                 f"quantization_config targets it (or it is in 'ignore')")
+    tensors = load_tensors(folder, {n: s for n, s in names.items() if n[:-len(".weight")] not in pending})
+
+    def quantized_linear(prefix, bias, parallel):
+        if prefix not in pending:
+            return None
+        out, inp = pending.pop(prefix)
+        own = load_tensors(folder, quant.tensor_shapes(prefix, out, inp, files))
+        return quant.linear(prefix, own, out, inp, bias, parallel)
+
+    params = params_from_tensors(config, tensors, quantized_linear=quantized_linear)
+    if pending:
+        raise ModelLoadError(f"{folder}: the {config.family} family reads {sorted(pending)[:3]} as float weights "
+                             "(fused or embedding tensors), but the checkpoint stores them quantized; "
+                             "quantize it with those modules in the quantization_config's 'ignore' list")
+    return config, params

@@ -6,7 +6,7 @@ from paged_jax.errors import ModelLoadError
 from paged_jax.models.config import ModelConfig, eos_tuple, require
 from paged_jax.models.family import ModelFamily
 from paged_jax.models.layers import ACTIVATIONS, layer_norm, linear, split_heads
-from paged_jax.models.weights import DenseEmbedding, DenseLinear
+from paged_jax.models.weights import DenseEmbedding
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
 
@@ -84,7 +84,7 @@ def params_from_hf(c, get, lin) -> dict:
     if c.has_final_layer_norm:
         params["final_ln"] = _ln(get, d + "final_layer_norm")
     if not c.tie_word_embeddings:
-        params["lm_head"] = DenseLinear(get("lm_head.weight").T, parallel="column")
+        params["lm_head"] = lin("lm_head", "column")
     return params
 
 

@@ -49,7 +49,7 @@ def params_from_hf(c, get, lin) -> dict:
     params = {"embed": DenseEmbedding(get("model.embed_tokens.weight"), tied=c.tie_word_embeddings),
               "norm": get("model.norm.weight"), "layers": layers}
     if not c.tie_word_embeddings:
-        params["lm_head"] = DenseLinear(get("lm_head.weight").T, parallel="column")
+        params["lm_head"] = lin("lm_head", "column")
     return params
 
 

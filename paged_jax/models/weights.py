@@ -11,8 +11,9 @@ role when it builds the params, and :mod:`paged_jax.parallel.rules` reads it:
 - ``"vocab"``: an embedding table split over its vocabulary rows;
 - ``None``: replicated.
 
-A storage format is one more class here with its own ``__call__`` (``Int8Linear``: int8 weights
-with per-column scales, from :func:`quantize_int8`), and a converter (``quantize_int8``,
+A storage format is one more class here with its own ``__call__`` (``QuantizedLinear``: int8,
+fp8 or packed int4 values with scales per tensor, channel, group or block), and converters that
+make it (:mod:`paged_jax.models.quantization` from a checkpoint or on load,
 :func:`paged_jax.native.pack_params`); model code does not change.
 """
 
@@ -86,53 +87,107 @@ class PanelLinear:
         return y if self.b is None else y + self.b
 
 
-@_pytree
-class Int8Linear:
-    """``x @ (q * scale) (+ b)``: int8 values ``q`` ``[in, out]`` with one float32 scale per output
-    column (symmetric, per channel). The matmul reads the int8 weight and scales its output, which
-    is the same product; XLA converts ``q`` inside the step."""
+ACTIVATION_QUANT = (None, "int8", "fp8")
+FP8_MAX = 448.0  # the largest float8_e4m3fn
 
-    STATIC = ("parallel",)
-    q: Any
+
+def _expand(s, n: int, axis: int):
+    """Scales per group along ``axis`` -> one per index (``n`` of them): group ``g`` covers
+    ``ceil(n / G)`` indices from ``g * ceil(n / G)``, the last one possibly fewer."""
+    groups = s.shape[axis]
+    if groups == n:
+        return s
+    return jax.lax.slice_in_dim(jnp.repeat(s, -(-n // groups), axis=axis), 0, n, axis=axis)
+
+
+def quantize_per_token(x, act: str):
+    """Round ``x`` (``[..., in]``) to int8 or fp8 with one scale per token (symmetric, as
+    compressed-tensors' dynamic activation quantization: int8 ``max|x| / 127.5``, fp8 ``max|x| / 448``);
+    returns (values in their own dtype, float32 scales ``[..., 1]``)."""
+    x = x.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    if act == "int8":
+        scale = jnp.where(amax == 0, jnp.finfo(jnp.float32).eps, amax / 127.5)
+        return jnp.clip(jnp.round(x / scale), -128, 127).astype(jnp.int8), scale
+    scale = jnp.where(amax == 0, jnp.finfo(jnp.float32).eps, amax / FP8_MAX)
+    return jnp.clip(x / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), scale
+
+
+@_pytree
+class QuantizedLinear:
+    """``x @ w (+ b)`` with ``w = (values - zero) * scale`` stored quantized, ``[in, out]`` as
+    :class:`DenseLinear`:
+
+    - ``values``: int8 (8-bit), float8_e4m3fn (fp8), or uint8 holding two 4-bit values per byte
+      (``bits == 4``: rows ``2i`` in the low nibble and ``2i + 1`` in the high one, each stored
+      plus 8, so ``[ceil(in / 2), out]``);
+    - ``scale``: float32 ``[G_in, G_out]``, one per block of the weight: ``[1, 1]`` per tensor,
+      ``[1, out]`` per output channel, ``[in / group, out]`` per group of inputs, or 2-D blocks;
+    - ``zero``: int8 zero points shaped as ``scale`` (asymmetric), or None;
+    - ``g_idx``: int32 ``[in]``, the scale row of each input row (activation order), or None
+      (groups are contiguous);
+    - ``act``: ``"int8"`` / ``"fp8"``: activations are quantized per token at run time (W8A8
+      checkpoints), so the numbers are the checkpoint's own.
+
+    The matmul dequantizes in XLA (``dequantize``), except int8 x int8 with per-channel weights,
+    which is an integer matmul scaled afterwards."""
+
+    STATIC = ("bits", "in_features_", "act", "parallel")
+    values: Any
     scale: Any
+    zero: Any = None
+    g_idx: Any = None
     b: Any = None
+    bits: int = 8
+    in_features_: int = 0
+    act: Optional[str] = None
     parallel: Optional[str] = None
 
     def __post_init__(self):
         _check_role(self.parallel)
+        if self.act not in ACTIVATION_QUANT:
+            raise ValueError(f"act must be one of {ACTIVATION_QUANT}, got {self.act!r}")
 
     @property
     def in_features(self) -> int:
-        return self.q.shape[0]
+        return self.in_features_
+
+    def unpacked(self):
+        """The values ``[in, out]`` in int8 or float8 (4-bit ones unpacked and centred)."""
+        if self.bits != 4:
+            return self.values
+        v = self.values
+        pairs = jnp.stack([v & 0xF, v >> 4], axis=1).astype(jnp.int8)  # [in/2, 2, out]
+        return pairs.reshape(-1, v.shape[-1])[:self.in_features_] - 8
+
+    def dequantize(self, dtype=jnp.float32):
+        """The float weight ``[in, out]`` this object stands for."""
+        q = self.unpacked().astype(jnp.float32)
+        n_in, n_out = q.shape
+        scale, zero = self.scale.astype(jnp.float32), self.zero
+        if self.g_idx is not None:
+            scale = scale[self.g_idx]
+            zero = None if zero is None else zero[self.g_idx]
+        scale = _expand(_expand(scale, n_in, 0), n_out, 1)
+        if zero is not None:
+            q = q - _expand(_expand(zero.astype(jnp.float32), n_in, 0), n_out, 1)
+        return (q * scale).astype(dtype)
 
     def __call__(self, x):
-        y = (x @ self.q.astype(x.dtype)) * self.scale.astype(x.dtype)
+        dtype = x.dtype
+        if self.act is not None:
+            xq, xs = quantize_per_token(x, self.act)
+            per_channel = self.scale.shape[0] == 1 and self.zero is None and self.g_idx is None
+            if self.act == "int8" and self.bits == 8 and self.values.dtype == jnp.int8 and per_channel:
+                acc = jax.lax.dot_general(xq, self.values, (((xq.ndim - 1,), (0,)), ((), ())),
+                                          preferred_element_type=jnp.int32)
+                y = acc.astype(jnp.float32) * xs * _expand(self.scale.astype(jnp.float32), acc.shape[-1], 1)[0]
+            else:
+                y = (xq.astype(jnp.float32) * xs) @ self.dequantize(jnp.float32)
+            y = y.astype(dtype)
+        else:
+            y = x @ self.dequantize(dtype)
         return y if self.b is None else y + self.b
-
-
-def quantize_int8(p: DenseLinear) -> Int8Linear:
-    """Per output column, symmetric: ``scale = max |w| / 127``, ``q = round(w / scale)``."""
-    w = p.w.astype(jnp.float32)
-    scale = jnp.max(jnp.abs(w), axis=0) / 127.0
-    scale = jnp.where(scale == 0, 1.0, scale)  # an all-zero column: any scale, its values are 0
-    q = jnp.clip(jnp.round(w / scale), -127, 127).astype(jnp.int8)
-    return Int8Linear(q, scale, p.b, p.parallel)
-
-
-QUANTIZATION_METHODS = ("int8",)
-
-
-def quantize_layers(params: dict, method: str) -> dict:
-    """Quantize on load: every linear weight of every layer (``params["layers"]``) with ``method``,
-    in place and one weight at a time, so each float weight can go as its quantized copy comes;
-    embeddings and the LM head stay as they are (as vLLM's on-load quantization leaves them)."""
-    if method not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization must be None or one of {list(QUANTIZATION_METHODS)}, got {method!r}")
-    for lp in params["layers"]:
-        for key, value in lp.items():
-            if isinstance(value, DenseLinear):
-                lp[key] = quantize_int8(value)
-    return params
 
 
 @_pytree
@@ -178,7 +233,7 @@ class PanelEmbedding:
         return native.linear(h, self.panels)[..., :self.vocab_size]
 
 
-LINEAR_TYPES = (DenseLinear, PanelLinear, Int8Linear)
+LINEAR_TYPES = (DenseLinear, PanelLinear, QuantizedLinear)
 EMBEDDING_TYPES = (DenseEmbedding, PanelEmbedding)
 WEIGHT_TYPES = LINEAR_TYPES + EMBEDDING_TYPES
 
@@ -205,6 +260,6 @@ def map_weights(fn, params):
     return params
 
 
-__all__ = ["DenseLinear", "PanelLinear", "Int8Linear", "quantize_int8", "quantize_layers", "QUANTIZATION_METHODS",
+__all__ = ["DenseLinear", "PanelLinear", "QuantizedLinear", "quantize_per_token", "ACTIVATION_QUANT",
            "DenseEmbedding", "PanelEmbedding", "LINEAR_TYPES", "EMBEDDING_TYPES",
            "WEIGHT_TYPES", "PARALLEL_ROLES", "is_weight", "linear", "map_weights"]

@@ -29,9 +29,11 @@ REPLICATED = P()
 
 # role -> {field: spec}; fields not named are replicated
 ROLE_SPECS = {
-    "column": {"w": COL, "b": COL_BIAS, "q": COL, "scale": COL_BIAS},  # q, scale: Int8Linear
-    "kv": {"w": COL, "b": COL_BIAS, "q": COL, "scale": COL_BIAS},
-    "row": {"w": ROW, "q": ROW},  # per-output-column scales: whole on every device
+    # QuantizedLinear: values like w; scale / zero ([G_in, G_out]) split where the mesh divides their
+    # groups (any placement gives the same numbers: the step is written for the global arrays)
+    "column": {"w": COL, "b": COL_BIAS, "values": COL, "scale": COL, "zero": COL},
+    "kv": {"w": COL, "b": COL_BIAS, "values": COL, "scale": COL, "zero": COL},
+    "row": {"w": ROW, "values": ROW, "scale": ROW, "zero": ROW},
     "vocab": {"table": ROW},
 }
 
