@@ -3,12 +3,15 @@ checked against transformers' own loss on the same token windows.
 
     python experiments/eval_perplexity.py                      # the bundled default model
     python experiments/eval_perplexity.py --model /path/to/hf-folder --windows 32
+    python experiments/eval_perplexity.py --quantization int8 fp8   # against the float weights
 
 The text is the standard library files held out from the default model's training
 (``stdlib_corpus.py``), tokenized with the model's tokenizer, cut into windows of
 ``--window`` tokens (each a prompt). Perplexity = exp(mean negative log-likelihood of every
 window token after the first). The engine's figure and transformers' are printed side by side
-with their ratio; the script exits non-zero if they differ by more than ``--rtol``.
+with their ratio; the script exits non-zero if they differ by more than ``--rtol``. With
+``--quantization``, each method's perplexity (weights quantized on load) is printed beside the
+float one's instead.
 """
 
 from __future__ import annotations
@@ -34,11 +37,12 @@ def token_windows(tokenizer, window: int, count: int) -> list[list[int]]:
     return [stream[s:s + window] for s in starts]
 
 
-def engine_nll(model: str, windows: list[list[int]], dtype: str) -> tuple[float, int]:
-    """Summed negative log-likelihood and token count from the engine's prompt logprobs."""
+def engine_nll(model: str, windows: list[list[int]], dtype: str, quantization=None) -> tuple[float, int]:
+    """Summed negative log-likelihood and token count from the engine's prompt logprobs
+    (``quantization``: the weights quantized on load)."""
     from paged_jax import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, max_model_len=max(len(w) for w in windows) + 1)
+    llm = LLM(model, dtype=dtype, max_model_len=max(len(w) for w in windows) + 1, quantization=quantization)
     outs = llm.generate(prompt_token_ids=windows, sampling_params=SamplingParams(max_tokens=1, prompt_logprobs=0))
     nll, n = 0.0, 0
     for w, out in zip(windows, outs):
@@ -71,6 +75,7 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers check")
     ap.add_argument("--rtol", type=float, default=1e-3)
+    ap.add_argument("--quantization", nargs="*", default=[], help="compare these on-load methods (int8, fp8)")
     a = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -84,7 +89,11 @@ def main(argv=None):
     ppl = math.exp(nll / n)
     print(f"paged-jax    perplexity {ppl:10.3f}  ({n} tokens; vocabulary {tokenizer.vocab_size}, "
           f"ratio to the vocabulary {ppl / len(tokenizer):.4f})")
-    if a.no_hf:
+    for method in a.quantization:
+        q_nll, q_n = engine_nll(model, windows, a.dtype, quantization=method)
+        q_ppl = math.exp(q_nll / q_n)
+        print(f"{method:12s} perplexity {q_ppl:10.3f}  ({method} / float = {q_ppl / ppl:.4f})")
+    if a.no_hf or a.quantization:
         return
     hf_total, hf_n = hf_nll(model, windows)
     hf_ppl = math.exp(hf_total / hf_n)

@@ -169,9 +169,19 @@ def load_model(path, dtype: str = "auto"):
         own = load_tensors(folder, quant.tensor_shapes(prefix, out, inp, files))
         return quant.linear(prefix, own, out, inp, bias, parallel)
 
-    params = params_from_tensors(config, tensors, quantized_linear=quantized_linear)
+    def read_as_float(modules):
+        return ModelLoadError(f"{folder}: the {config.family} family reads {sorted(modules)[:3]} as float weights "
+                              "(fused or embedding tensors), but the checkpoint stores them quantized; "
+                              "quantize it with those modules in the quantization_config's 'ignore' list")
+
+    quantized = set(pending)
+    try:
+        params = params_from_tensors(config, tensors, quantized_linear=quantized_linear)
+    except KeyError as e:  # the family asked for the float .weight of a module stored quantized
+        module = str(e.args[0]).removesuffix(".weight") if e.args else None
+        if module in quantized:
+            raise read_as_float([module]) from None
+        raise
     if pending:
-        raise ModelLoadError(f"{folder}: the {config.family} family reads {sorted(pending)[:3]} as float weights "
-                             "(fused or embedding tensors), but the checkpoint stores them quantized; "
-                             "quantize it with those modules in the quantization_config's 'ignore' list")
+        raise read_as_float(pending)
     return config, params

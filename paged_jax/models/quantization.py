@@ -80,6 +80,16 @@ class WeightScheme:
     symmetric: bool
     act: Optional[str]  # None | "int8" | "fp8": activations quantized per token at run time
 
+    def block_of_scale(self, out: int, inp: int) -> tuple:
+        """(rows of the input, columns of the output) one scale covers, in paged-jax's ``[in, out]``."""
+        if self.strategy == "tensor":
+            return (inp, out)
+        if self.strategy == "channel":
+            return (inp, 1)
+        if self.strategy == "group":
+            return (self.group_size, 1)
+        return (self.block[1], self.block[0])
+
     def scale_shape(self, out: int, inp: int) -> tuple:
         """The checkpoint's ``weight_scale`` shape (HF layout, ``[out, ...]``)."""
         if self.strategy == "tensor":
@@ -233,7 +243,8 @@ class CheckpointQuantization:
             jnp.asarray(values), jnp.asarray(scale),
             zero=None if zero is None else jnp.asarray(np.asarray(zero, dtype=np.int8)),
             g_idx=None if g_idx is None else jnp.asarray(np.asarray(g_idx, dtype=np.int32)),
-            b=bias, bits=s.bits, in_features_=inp, act=s.act, parallel=parallel)
+            b=bias, bits=s.bits, in_features_=inp, block=s.block_of_scale(out, inp), act=s.act,
+            parallel=parallel)
 
 
 def _unpack_int32(packed, bits: int, n: int) -> np.ndarray:

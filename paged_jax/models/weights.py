@@ -91,26 +91,35 @@ ACTIVATION_QUANT = (None, "int8", "fp8")
 FP8_MAX = 448.0  # the largest float8_e4m3fn
 
 
-def _expand(s, n: int, axis: int):
-    """Scales per group along ``axis`` -> one per index (``n`` of them): group ``g`` covers
-    ``ceil(n / G)`` indices from ``g * ceil(n / G)``, the last one possibly fewer."""
-    groups = s.shape[axis]
-    if groups == n:
+def _expand(s, n: int, axis: int, size: int):
+    """Scales per group of ``size`` indices along ``axis`` -> one per index (``n`` of them; the
+    last group may be partial)."""
+    if s.shape[axis] == n:
         return s
-    return jax.lax.slice_in_dim(jnp.repeat(s, -(-n // groups), axis=axis), 0, n, axis=axis)
+    return jax.lax.slice_in_dim(jnp.repeat(s, size, axis=axis), 0, n, axis=axis)
+
+
+def _exact_div(a, b):
+    """``a / b`` rounded once, as IEEE (and torch) divide. XLA rewrites a division by a constant or
+    by a broadcast into a multiplication by the reciprocal, a second rounding that moves a value
+    sitting exactly on a .5 (the largest of each token, at 127.5) to the other integer."""
+    a, b = jnp.broadcast_arrays(a, b)
+    return a / jax.lax.optimization_barrier(b)
 
 
 def quantize_per_token(x, act: str):
     """Round ``x`` (``[..., in]``) to int8 or fp8 with one scale per token (symmetric, as
-    compressed-tensors' dynamic activation quantization: int8 ``max|x| / 127.5``, fp8 ``max|x| / 448``);
-    returns (values in their own dtype, float32 scales ``[..., 1]``)."""
+    compressed-tensors' dynamic activation quantization: int8 ``max|x| / 127.5`` rounded half to
+    even into [-128, 127], fp8 ``max|x| / 448``); returns (values in their own dtype, float32
+    scales ``[..., 1]``)."""
     x = x.astype(jnp.float32)
     amax = jnp.max(jnp.abs(x), axis=-1, keepdims=True)
+    top = 127.5 if act == "int8" else FP8_MAX
+    scale = jnp.where(amax == 0, jnp.finfo(jnp.float32).eps, _exact_div(amax, jnp.float32(top)))
+    scaled = _exact_div(x, scale)
     if act == "int8":
-        scale = jnp.where(amax == 0, jnp.finfo(jnp.float32).eps, amax / 127.5)
-        return jnp.clip(jnp.round(x / scale), -128, 127).astype(jnp.int8), scale
-    scale = jnp.where(amax == 0, jnp.finfo(jnp.float32).eps, amax / FP8_MAX)
-    return jnp.clip(x / scale, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), scale
+        return jnp.clip(jnp.round(scaled), -128, 127).astype(jnp.int8), scale
+    return jnp.clip(scaled, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), scale
 
 
 @_pytree
@@ -121,8 +130,9 @@ class QuantizedLinear:
     - ``values``: int8 (8-bit), float8_e4m3fn (fp8), or uint8 holding two 4-bit values per byte
       (``bits == 4``: rows ``2i`` in the low nibble and ``2i + 1`` in the high one, each stored
       plus 8, so ``[ceil(in / 2), out]``);
-    - ``scale``: float32 ``[G_in, G_out]``, one per block of the weight: ``[1, 1]`` per tensor,
-      ``[1, out]`` per output channel, ``[in / group, out]`` per group of inputs, or 2-D blocks;
+    - ``scale``: float32 ``[G_in, G_out]``, one per ``block`` (rows x columns) of the weight:
+      ``[1, 1]`` per tensor, ``[1, out]`` per output channel, ``[ceil(in / group), out]`` per group
+      of inputs, or 2-D blocks;
     - ``zero``: int8 zero points shaped as ``scale`` (asymmetric), or None;
     - ``g_idx``: int32 ``[in]``, the scale row of each input row (activation order), or None
       (groups are contiguous);
@@ -132,7 +142,7 @@ class QuantizedLinear:
     The matmul dequantizes in XLA (``dequantize``), except int8 x int8 with per-channel weights,
     which is an integer matmul scaled afterwards."""
 
-    STATIC = ("bits", "in_features_", "act", "parallel")
+    STATIC = ("bits", "in_features_", "block", "act", "parallel")
     values: Any
     scale: Any
     zero: Any = None
@@ -140,6 +150,7 @@ class QuantizedLinear:
     b: Any = None
     bits: int = 8
     in_features_: int = 0
+    block: Optional[tuple] = None  # (rows, columns) each scale covers; None: the scale's shape divides the weight
     act: Optional[str] = None
     parallel: Optional[str] = None
 
@@ -160,17 +171,21 @@ class QuantizedLinear:
         pairs = jnp.stack([v & 0xF, v >> 4], axis=1).astype(jnp.int8)  # [in/2, 2, out]
         return pairs.reshape(-1, v.shape[-1])[:self.in_features_] - 8
 
+    def _block(self, n_out: int) -> tuple:
+        return self.block or (self.in_features_ // self.scale.shape[0], n_out // self.scale.shape[1])
+
     def dequantize(self, dtype=jnp.float32):
         """The float weight ``[in, out]`` this object stands for."""
         q = self.unpacked().astype(jnp.float32)
         n_in, n_out = q.shape
+        rows, cols = self._block(n_out)
         scale, zero = self.scale.astype(jnp.float32), self.zero
         if self.g_idx is not None:
             scale = scale[self.g_idx]
             zero = None if zero is None else zero[self.g_idx]
-        scale = _expand(_expand(scale, n_in, 0), n_out, 1)
+        scale = _expand(_expand(scale, n_in, 0, rows), n_out, 1, cols)
         if zero is not None:
-            q = q - _expand(_expand(zero.astype(jnp.float32), n_in, 0), n_out, 1)
+            q = q - _expand(_expand(zero.astype(jnp.float32), n_in, 0, rows), n_out, 1, cols)
         return (q * scale).astype(dtype)
 
     def __call__(self, x):
@@ -181,7 +196,9 @@ class QuantizedLinear:
             if self.act == "int8" and self.bits == 8 and self.values.dtype == jnp.int8 and per_channel:
                 acc = jax.lax.dot_general(xq, self.values, (((xq.ndim - 1,), (0,)), ((), ())),
                                           preferred_element_type=jnp.int32)
-                y = acc.astype(jnp.float32) * xs * _expand(self.scale.astype(jnp.float32), acc.shape[-1], 1)[0]
+                n_out = acc.shape[-1]
+                y = acc.astype(jnp.float32) * xs * _expand(self.scale.astype(jnp.float32), n_out, 1,
+                                                           self._block(n_out)[1])[0]
             else:
                 y = (xq.astype(jnp.float32) * xs) @ self.dequantize(jnp.float32)
             y = y.astype(dtype)
