@@ -1,18 +1,23 @@
-"""What int8 weights (``quantization="int8"``, quantized on load) hold and how fast they decode,
-side by side with the float model in one run.
+"""What quantized weights hold and how fast they decode, side by side with the float model in one run.
 
-    python experiments/bench_quantized.py [--model DIR] [--batches 1 8] [--tokens 64]
+    python experiments/bench_quantized.py [--batches 1 8 32] [--tokens 64] [--no-checkpoint]
 
-Default model: a LLaMA of 512 wide, 8 layers, vocabulary 4,096 (random, made here). Prints the bytes
-of the arrays the engine holds for the weights (all of them, and the layers' alone), their ratio to the
-same model in float16, and decode tokens/s at each batch size (greedy, a warm second call).
+The model: a LLaMA of 512 wide, 8 layers, vocabulary 4,096 (random, made here), loaded as
+float32, with int8 and fp8 weights quantized on load (``quantization=``), and as a
+compressed-tensors W4A16 checkpoint (group 128, LM head float) made here from the same float
+weights (needs the test extra: torch and compressed-tensors). Prints the bytes of the arrays
+the engine holds for the weights (all of them, and the layers' alone), their ratio to the same
+model in float16, and decode tokens/s at each batch size (greedy, 16-token prompts, a warm
+second call), with each one's ratio to float32.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import tempfile
 import time
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -38,32 +43,37 @@ def decode_rate(llm, batch: int, tokens: int) -> float:
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--no-checkpoint", action="store_true", help="skip the W4A16 checkpoint (no torch needed)")
     a = ap.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
-        model = a.model or str(make_tiny_model(tmp, family="llama", vocab_size=4096, hidden_size=512,
-                                               intermediate_size=1408, num_hidden_layers=8,
-                                               num_attention_heads=8, num_key_value_heads=8))
+        model = str(make_tiny_model(Path(tmp) / "float", family="llama", vocab_size=4096, hidden_size=512,
+                                    intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+                                    num_key_value_heads=8))
+        runs = {"float32": (model, None), "int8": (model, "int8"), "fp8": (model, "fp8")}
+        if not a.no_checkpoint:
+            from tests.hf_models import quantize_ct
+
+            runs["W4A16 g128"] = (str(quantize_ct(model, "W4A16", Path(tmp) / "w4a16", group_size=128)), None)
         rows = {}
-        for q in (None, "int8"):
-            llm = LLM(model, quantization=q, max_model_len=256)
+        for name, (path, quantization) in runs.items():
+            llm = LLM(path, quantization=quantization, max_model_len=256)
             params = llm.llm_engine.runner.params
-            rows[q] = dict(all=nbytes(params), layers=nbytes(params["layers"]),
-                           rates={b: decode_rate(llm, b, a.tokens) for b in a.batches})
-            del llm
-        n_params = rows[None]["all"] // 4  # the float model is float32
-        n_layer_params = rows[None]["layers"] // 4
+            rows[name] = dict(all=nbytes(params), layers=nbytes(params["layers"]),
+                              rates={b: decode_rate(llm, b, a.tokens) for b in a.batches})
+            del llm, params
+            gc.collect()
+        n_params, n_layer_params = rows["float32"]["all"] // 4, rows["float32"]["layers"] // 4
         fp16_all, fp16_layers = 2 * n_params, 2 * n_layer_params
         print(f"{model}: {n_params / 1e6:.1f} M parameters, {n_layer_params / 1e6:.1f} M in the layers")
-        print(f"{'weights':8s} {'all bytes':>12s} {'/ float16':>10s} {'layer bytes':>12s} {'/ float16':>10s}  "
-              + "  ".join(f"batch {b} tok/s" for b in a.batches))
-        for q, r in rows.items():
-            print(f"{q or 'float32':8s} {r['all']:12,d} {r['all'] / fp16_all:10.2f} {r['layers']:12,d} "
-                  f"{r['layers'] / fp16_layers:10.2f}  " + "  ".join(f"{r['rates'][b]:13.1f}" for b in a.batches))
-        print("int8 / float32 tokens/s: " + ", ".join(
-            f"batch {b} {rows['int8']['rates'][b] / rows[None]['rates'][b]:.2f}x" for b in a.batches))
+        print(f"{'weights':11s} {'all bytes':>12s} {'/ float16':>10s} {'layer bytes':>12s} {'/ float16':>10s}  "
+              + "  ".join(f"batch {b} tok/s (/ f32)" for b in a.batches))
+        base = rows["float32"]["rates"]
+        for name, r in rows.items():
+            print(f"{name:11s} {r['all']:12,d} {r['all'] / fp16_all:10.3f} {r['layers']:12,d} "
+                  f"{r['layers'] / fp16_layers:10.3f}  "
+                  + "  ".join(f"{r['rates'][b]:13.1f} ({r['rates'][b] / base[b]:4.2f}x)" for b in a.batches))
 
 
 if __name__ == "__main__":

@@ -150,6 +150,14 @@ def make_ct_model(variant: str, scheme: str, out: Path, ignore=("lm_head",), see
     """A tiny random model of ``variant`` quantized by compressed-tensors with ``scheme`` (see
     CT_SCHEMES) and saved compressed, as llm-compressor saves one; its float original beside it
     (``<out>-float``)."""
+    out = Path(out)
+    src = make_hf_model(variant, out.parent / (out.name + "-float"), seed=seed)
+    return quantize_ct(src, scheme, out, ignore)
+
+
+def quantize_ct(src: Path, scheme: str, out: Path, ignore=("lm_head",), **weight_changes) -> Path:
+    """The float HF folder ``src`` quantized by compressed-tensors with ``scheme`` (CT_SCHEMES, its
+    weight args changed by ``weight_changes``), saved compressed into ``out`` with the tokenizer."""
     import shutil
 
     from compressed_tensors.compressors import ModelCompressor
@@ -157,10 +165,10 @@ def make_ct_model(variant: str, scheme: str, out: Path, ignore=("lm_head",), see
                                                  apply_quantization_config)
     from compressed_tensors.quantization.quant_scheme import preset_name_to_scheme
 
-    out = Path(out)
-    src = make_hf_model(variant, out.parent / (out.name + "-float"), seed=seed)
+    src, out = Path(src), Path(out)
     model = load_hf(src)
     preset, changes = CT_SCHEMES[scheme]
+    changes = {**changes, **weight_changes}
     if preset is None:
         qs = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(num_bits=8, type="float",
                                                                             symmetric=True, **changes))

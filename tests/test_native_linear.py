@@ -209,3 +209,54 @@ def test_avx512_tiles_where_the_cpu_has_them(monkeypatch, tiny_llama_dir):
     monkeypatch.setitem(native._state, "avx512_matmul", False)  # as on a CPU without AVX-512
     runner = ModelRunner(cfg, params, 4, 8, 0)
     assert not _packed_layers(runner)
+
+
+def _quantized(rng, K, N, bits, groups, per_tensor=False):
+    """A QuantizedLinear of random int8 / int4 values, its scales and its float weight (numpy)."""
+    from paged_jax.models.quantization import _pack_nibbles
+    from paged_jax.models.weights import QuantizedLinear
+
+    top = 1 << (bits - 1)
+    q = rng.integers(-top, top, size=(K, N)).astype(np.int8)
+    scale = rng.uniform(0.01, 0.1, size=(groups, 1 if per_tensor else N)).astype(np.float32)
+    values = _pack_nibbles(q) if bits == 4 else q
+    p = QuantizedLinear(jnp.asarray(values), jnp.asarray(scale), bits=bits, in_features_=K,
+                        block=(K // groups, N if per_tensor else 1))
+    return p, q.astype(np.float64) * np.repeat(scale, K // groups, axis=0).astype(np.float64)
+
+
+@needs_native
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("M", [1, 7, 9, 33])
+@pytest.mark.parametrize("K,N,groups,per_tensor", [(64, 96, 1, False), (128, 80, 4, False), (256, 48, 2, False),
+                                                   (32, 16, 1, True)])
+def test_quantized_linear_matches_numpy(bits, M, K, N, groups, per_tensor):
+    rng = np.random.default_rng(M * 100 + K + N + bits)
+    p, w = _quantized(rng, K, N, bits, groups, per_tensor)
+    assert native.quantized_packable(p)
+    x = rng.standard_normal((M, K)).astype(np.float32)
+    panels, scales = native.pack_quantized(p)
+    got = np.asarray(jax.jit(native.linear_quantized, static_argnums=3)(jnp.asarray(x), panels, scales, bits))
+    np.testing.assert_allclose(got[:, :N], x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5 * np.sqrt(K))
+    # the same weight through XLA (QuantizedLinear's own matmul) agrees
+    np.testing.assert_allclose(np.asarray(p(jnp.asarray(x))), got[:, :N], rtol=1e-5, atol=1e-5 * np.sqrt(K))
+
+
+@needs_native
+def test_pack_params_packs_the_quantized_weights_the_kernel_takes_and_leaves_the_rest():
+    from paged_jax.models.weights import PanelQuantizedLinear, QuantizedLinear
+
+    rng = np.random.default_rng(5)
+    p8, _ = _quantized(rng, 64, 32, 8, 2)
+    p4, _ = _quantized(rng, 64, 40, 4, 4)
+    fp8 = QuantizedLinear(jnp.asarray(rng.standard_normal((64, 32)), dtype=jnp.float8_e4m3fn),
+                          jnp.ones((1, 32)), in_features_=64)
+    zero = QuantizedLinear(p8.values, p8.scale, zero=jnp.zeros_like(p8.scale, dtype=jnp.int8), in_features_=64)
+    packed = native.pack_params({"a": p8, "b": p4, "c": fp8, "d": zero})
+    assert isinstance(packed["a"], PanelQuantizedLinear) and isinstance(packed["b"], PanelQuantizedLinear)
+    assert packed["b"].panels.dtype == jnp.uint8 and packed["b"].out_features == 40
+    assert packed["c"] is fp8 and packed["d"] is zero
+    x = jnp.asarray(rng.standard_normal((3, 64)).astype(np.float32))
+    for k in "ab":
+        np.testing.assert_allclose(np.asarray(packed[k](x)), np.asarray({"a": p8, "b": p4}[k](x)), rtol=1e-5,
+                                   atol=1e-4)

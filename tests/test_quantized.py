@@ -22,10 +22,16 @@ import pytest
 from paged_jax import LLM, SamplingParams
 from paged_jax.errors import ModelLoadError
 from paged_jax.models.quantization import _pack_nibbles, _unpack_int32, quantize_weight
-from paged_jax.models.weights import DenseLinear, QuantizedLinear, quantize_per_token
+from paged_jax import native
+from paged_jax.models.weights import DenseLinear, PanelQuantizedLinear, QuantizedLinear, quantize_per_token
 from tests.hf_models import ct_dequantized_model, load_hf, make_ct_model
 
 PROMPTS = [[1, 5, 9, 33, 77, 100, 200], [1, 40, 41, 42], [1, 300, 301, 302, 303, 304, 305, 306, 307]]
+QUANTIZED = (QuantizedLinear, PanelQuantizedLinear)  # the second: packed for the native CPU matmul
+
+
+def _values(p):
+    return p.values if isinstance(p, QuantizedLinear) else p.panels
 
 
 # --- storage formats against numpy ----------------------------------------------------------------
@@ -162,10 +168,12 @@ def test_greedy_tokens_equal_transformers_on_the_same_quantized_folder(ct_dir, v
     llm, got = _engine_tokens(path, PROMPTS, block_size=8)
     assert got == _oracle_tokens(load_hf(path), PROMPTS)
     linears = [v for lp in llm.llm_engine.runner.params["layers"] for v in lp.values() if hasattr(v, "__call__")]
-    assert linears and all(isinstance(v, QuantizedLinear) for v in linears)  # held quantized, not dequantized
+    assert linears and all(isinstance(v, QUANTIZED) for v in linears)  # held quantized, not dequantized
     if scheme == "W4A16":
-        assert all(v.values.dtype == jnp.uint8 and v.bits == 4 for v in linears)
-        assert isinstance(llm.llm_engine.runner.params["lm_head"], QuantizedLinear) == (not ignore)
+        assert all(_values(v).dtype == jnp.uint8 and v.bits == 4 for v in linears)
+        assert isinstance(llm.llm_engine.runner.params["lm_head"], QUANTIZED) == (not ignore)
+        # on a CPU with the native kernels, the matmul reads the packed int4 values itself
+        assert all(isinstance(v, PanelQuantizedLinear) for v in linears) == native.available()
 
 
 def test_asymmetric_int4_equals_compressed_tensors_own_decompression(ct_dir):
@@ -272,7 +280,7 @@ def test_int8_on_load_keeps_the_default_models_greedy_tokens():
     _, want, want_lps = _run(None, None, prompts)
     llm, got, got_lps = _run(None, "int8", prompts)
     linears = [v for lp in llm.llm_engine.runner.params["layers"] for v in lp.values() if hasattr(v, "__call__")]
-    assert linears and all(isinstance(v, QuantizedLinear) and v.values.dtype == jnp.int8 for v in linears)
+    assert linears and all(isinstance(v, QUANTIZED) and _values(v).dtype == jnp.int8 for v in linears)
     assert got == want
     # The chosen tokens' logprobs move by about what rounding every layer moves them.
     diffs = [abs(g[t] - w[t]) for gs, ws, ts in zip(got_lps, want_lps, want) for g, w, t in zip(gs, ws, ts)]

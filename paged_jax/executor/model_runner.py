@@ -103,8 +103,8 @@ class ModelRunner:
         if mesh is None and jax.default_backend() == "cpu":
             from paged_jax import native
 
-            if native.packs_weights():  # float32 linear weights in column panels for the native matmul
-                params = native.pack_params(params)
+            if native.available():  # linear weights in column panels for the native matmul (floats: AVX-512 only)
+                params = native.pack_params(params, floats=native.packs_weights())
         self.config, self.params, self.block_size = config, params, block_size
         if mesh is not None and attention_backend == AUTO:
             attention_backend = "reference"  # the native kernel inside shard_map is untested

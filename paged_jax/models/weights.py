@@ -208,6 +208,35 @@ class QuantizedLinear:
 
 
 @_pytree
+class PanelQuantizedLinear:
+    """The same function as a :class:`QuantizedLinear` of int8 or int4 values with scales per
+    column and group of rows, stored as column panels for the native CPU matmul
+    (:func:`paged_jax.native.pack_quantized` makes it): values ``[P, in, W]`` int8 or
+    ``[P, in / 2, W]`` uint8, scales ``[P, groups, W]`` float32; columns past ``out_features``
+    are padding and are cut off."""
+
+    STATIC = ("bits", "out_features", "parallel")
+    panels: Any
+    scales: Any
+    b: Any = None
+    bits: int = 8
+    out_features: int = 0
+    parallel: Optional[str] = None
+
+    @property
+    def in_features(self) -> int:
+        return self.panels.shape[1] * (2 if self.bits == 4 else 1)
+
+    def __call__(self, x):
+        from paged_jax import native
+
+        y = native.linear_quantized(x, self.panels, self.scales, self.bits)
+        if y.shape[-1] != self.out_features:
+            y = y[..., :self.out_features]
+        return y if self.b is None else y + self.b
+
+
+@_pytree
 class DenseEmbedding:
     """A token table ``[vocab, hidden]``; ``tied``: it is the LM head too (logits ``h @ table.T``)."""
 
@@ -250,7 +279,7 @@ class PanelEmbedding:
         return native.linear(h, self.panels)[..., :self.vocab_size]
 
 
-LINEAR_TYPES = (DenseLinear, PanelLinear, QuantizedLinear)
+LINEAR_TYPES = (DenseLinear, PanelLinear, QuantizedLinear, PanelQuantizedLinear)
 EMBEDDING_TYPES = (DenseEmbedding, PanelEmbedding)
 WEIGHT_TYPES = LINEAR_TYPES + EMBEDDING_TYPES
 
@@ -277,6 +306,6 @@ def map_weights(fn, params):
     return params
 
 
-__all__ = ["DenseLinear", "PanelLinear", "QuantizedLinear", "quantize_per_token", "ACTIVATION_QUANT",
+__all__ = ["DenseLinear", "PanelLinear", "QuantizedLinear", "PanelQuantizedLinear", "quantize_per_token", "ACTIVATION_QUANT",
            "DenseEmbedding", "PanelEmbedding", "LINEAR_TYPES", "EMBEDDING_TYPES",
            "WEIGHT_TYPES", "PARALLEL_ROLES", "is_weight", "linear", "map_weights"]

@@ -11,11 +11,14 @@ the step both ways). It computes the same function as the jnp reference and is
 tested against it (``tests/test_native_decode.py``).
 
 Matmuls. At decode batch sizes XLA's CPU matmuls leave the cores waiting on weights that
-stream from memory. :func:`pack_params` turns each float32 ``DenseLinear`` (weight ``[K, N]``)
+stream from memory (and XLA turns a quantized weight into a float copy before its matmul). :func:`pack_params` turns each float32 ``DenseLinear`` (weight ``[K, N]``)
 into a ``PanelLinear`` holding ``[N / W, K, W]`` panels (W = 48, 32 or 16 columns, each panel
 contiguous; see ``paged_jax.models.weights``), whose matmul is :func:`linear`, which prefetches
 the panels ahead of use (``tests/test_native_linear.py``; ``experiments/roofline.py`` times
-the step with and without). The runner packs on a CPU with one device, float32 weights,
+the step with and without). Quantized weights (int8, or int4 packed two to a byte, with scales
+per column or per group of rows; ``QuantizedLinear``) become ``PanelQuantizedLinear``, whose
+matmul :func:`linear_quantized` reads the quantized panels and turns them into float32 in
+registers. The runner packs on a CPU with one device, float32 activations,
 where the matmul was built with its AVX-512 tiles (:func:`packs_weights`).
 
 The library is compiled with the system's C++ compiler the first time it is
@@ -54,6 +57,7 @@ TARGETS = {"float32": ("paged_jax_paged_decode_f32", "PagedDecodeF32"),
 TARGET = TARGETS["float32"][0]
 LINEAR_TARGET = ("paged_jax_linear_f32", "LinearF32")
 SUM_TARGET = ("paged_jax_sum_f32", "SumF32")
+QUANTIZED_TARGETS = {8: ("paged_jax_linear_q8", "LinearQ8F32"), 4: ("paged_jax_linear_q4", "LinearQ4F32")}
 PANEL_WIDTHS = (48, 32, 16)
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w"]
 
@@ -124,7 +128,7 @@ def available() -> bool:
                 if not path.is_file():
                     _build(path)
                 lib = ctypes.cdll.LoadLibrary(str(path))
-                for target, symbol in (*TARGETS.values(), LINEAR_TARGET, SUM_TARGET):
+                for target, symbol in (*TARGETS.values(), LINEAR_TARGET, SUM_TARGET, *QUANTIZED_TARGETS.values()):
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                 _state.update(ok=True, library=str(path), avx512_matmul=bool(lib.PagedJaxLinearAvx512()))
             except Exception as e:  # no compiler, a failed build, an FFI this jaxlib lacks: run the jnp path
@@ -219,6 +223,58 @@ def linear(x, w_panels) -> "jax.Array":
     return y.reshape(*lead, P * W)
 
 
+def quantized_packable(p) -> bool:
+    """Whether :func:`pack_quantized` takes a ``QuantizedLinear``: int8 or int4 values with a scale
+    per column (or one for the tensor) and per group of whole rows (an even count for int4), no zero
+    points, activation order or activation quantization."""
+    import jax.numpy as jnp
+
+    if p.zero is not None or p.g_idx is not None or p.act is not None or p.bits not in QUANTIZED_TARGETS:
+        return False
+    if (p.bits == 8) != (p.values.dtype == jnp.int8) or p.bits == 4 and p.values.dtype != jnp.uint8:
+        return False
+    n_in, n_out = p.in_features, p.values.shape[1]
+    rows, cols = p._block(n_out)
+    groups = p.scale.shape[0]
+    return (p.scale.shape[1] in (1, n_out) and (cols == 1 or p.scale.shape[1] == 1) and rows * groups == n_in
+            and (p.bits == 8 or rows % 2 == 0))
+
+
+def pack_quantized(p):
+    """A ``QuantizedLinear`` (see :func:`quantized_packable`) as (value panels ``[P, K', W]``, scale
+    panels ``[P, G, W]`` float32), output columns padded to a panel width."""
+    import jax.numpy as jnp
+
+    n_out = p.values.shape[1]
+    scale = jnp.broadcast_to(p.scale.astype(jnp.float32), (p.scale.shape[0], n_out))
+    return pack_padded(p.values), pack_padded(scale)
+
+
+def linear_quantized(x, panels, scale_panels, bits: int) -> "jax.Array":
+    """``x @ w`` for the weight held as :func:`pack_quantized` panels: the native kernel for float32
+    on a CPU once the kernels are registered, else XLA on the dequantized weight."""
+    import jax
+    import jax.numpy as jnp
+
+    P, rows, W = panels.shape
+    G = scale_panels.shape[1]
+    K = rows * (2 if bits == 4 else 1)
+    if x.shape[-1] != K or scale_panels.shape != (P, G, W):
+        raise ValueError(f"linear_quantized: x {x.shape}, panels {panels.shape}, scales {scale_panels.shape} "
+                         f"do not fit {bits}-bit values")
+    if x.dtype != jnp.float32 or jax.default_backend() != "cpu" or not _state.get("ok"):
+        q = unpack_weight(panels)
+        if bits == 4:
+            q = jnp.stack([q & 0xF, q >> 4], axis=1).reshape(K, -1).astype(jnp.int8) - 8
+        scale = jnp.repeat(unpack_weight(scale_panels), K // G, axis=0)
+        return x @ (q.astype(jnp.float32) * scale).astype(x.dtype)
+    lead = x.shape[:-1]
+    x2 = x.reshape(math.prod(lead), K)
+    y = jax.ffi.ffi_call(QUANTIZED_TARGETS[bits][0], jax.ShapeDtypeStruct((x2.shape[0], P * W), jnp.float32))(
+        x2, panels, scale_panels)
+    return y.reshape(*lead, P * W)
+
+
 def read_sum(x) -> "jax.Array":
     """The float32 sum of ``x`` (any shape), read as the native matmul reads its weights
     (prefetched, shared over XLA's threads): the bandwidth probe of ``experiments/roofline.py``."""
@@ -240,19 +296,27 @@ def pack_padded(w) -> "jax.Array":
     return pack_weight(jnp.pad(jnp.asarray(w), ((0, 0), (0, -w.shape[1] % PANEL_WIDTHS[0]))))
 
 
-def pack_params(params):
+def pack_params(params, floats: bool = True):
     """A copy of a model's params with each float32 weight object stored for the native matmul:
-    a ``DenseLinear`` becomes a ``PanelLinear``, a tied ``DenseEmbedding`` (the LM head too) a
+    a ``DenseLinear`` becomes a ``PanelLinear``, a ``QuantizedLinear`` the kernel takes a
+    ``PanelQuantizedLinear``, a tied ``DenseEmbedding`` (the LM head too) a
     ``PanelEmbedding`` (its transpose packed, which lookups read too: no second copy). Chosen by
-    type (``paged_jax.models.weights``), not by name; everything else stays as it was."""
+    type (``paged_jax.models.weights``), not by name; everything else stays as it was.
+    ``floats=False``: the quantized weights only (without AVX-512 the float matmul's portable loops
+    are slower than XLA's; the quantized one's are still far faster than XLA's dequantize-then-dot)."""
     import jax.numpy as jnp
 
-    from paged_jax.models.weights import DenseEmbedding, DenseLinear, PanelEmbedding, PanelLinear, map_weights
+    from paged_jax.models.weights import (DenseEmbedding, DenseLinear, PanelEmbedding, PanelLinear,
+                                          PanelQuantizedLinear, QuantizedLinear, map_weights)
 
     def pack(x):
-        if isinstance(x, DenseLinear) and x.w.ndim == 2 and x.w.dtype == jnp.float32:
+        if isinstance(x, QuantizedLinear) and quantized_packable(x):
+            panels, scales = pack_quantized(x)
+            return PanelQuantizedLinear(panels, scales, x.b, bits=x.bits, out_features=x.values.shape[1],
+                                        parallel=x.parallel)
+        if floats and isinstance(x, DenseLinear) and x.w.ndim == 2 and x.w.dtype == jnp.float32:
             return PanelLinear(pack_padded(x.w), x.b, out_features=x.w.shape[1], parallel=x.parallel)
-        if isinstance(x, DenseEmbedding) and x.tied and x.table.dtype == jnp.float32:
+        if floats and isinstance(x, DenseEmbedding) and x.tied and x.table.dtype == jnp.float32:
             return PanelEmbedding(pack_padded(x.table.T), vocab_size=x.table.shape[0], parallel=x.parallel)
         return x
 
@@ -260,4 +324,5 @@ def pack_params(params):
 
 
 __all__ = ["available", "status", "paged_decode", "packs_weights", "panel_width", "pack_weight", "unpack_weight",
-           "pack_padded", "linear", "pack_params", "read_sum"]
+           "pack_padded", "linear", "pack_params", "read_sum", "quantized_packable", "pack_quantized",
+           "linear_quantized"]

@@ -131,6 +131,140 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
   return ffi::Error::Success();
 }
 
+// Quantized weights: y = x @ (q * scale), the weight read as int8 or packed int4 values and turned
+// into float32 in registers (decode at small batch is bound by the bytes of weight read, 4 or 8
+// times fewer than float32). w: [P, K, W] int8, or [P, K / 2, W] uint8 with rows 2i and 2i + 1 in
+// the low and high nibbles of byte row i, each stored plus 8. scales: [P, G, W] float32, one per
+// column and group of K / G consecutive rows (G = 1: per column). Sums run over k in order.
+
+template <int Bits>
+inline const uint8_t* QRow(const uint8_t* panel, int64_t k, int64_t W) {
+  return Bits == 8 ? panel + k * W : panel + (k / 2) * W;
+}
+
+#if defined(__AVX512F__)
+template <int Bits>
+inline __m512 QLoad(const uint8_t* row, int64_t k, int v, __m512 scale) {
+  const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v));
+  __m512i q;
+  if (Bits == 8) {
+    q = _mm512_cvtepi8_epi32(bytes);
+  } else {
+    q = _mm512_cvtepu8_epi32(bytes);
+    if (k & 1) q = _mm512_srli_epi32(q, 4);
+    q = _mm512_sub_epi32(_mm512_and_si512(q, _mm512_set1_epi32(0xF)), _mm512_set1_epi32(8));
+  }
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(q), scale);
+}
+#endif
+
+template <int Bits>
+inline float QValue(const uint8_t* row, int64_t k, int64_t c) {
+  if (Bits == 8) return static_cast<float>(static_cast<int8_t>(row[c]));
+  return static_cast<float>(((row[c] >> ((k & 1) * 4)) & 0xF) - 8);
+}
+
+template <int R, int W, int Bits>
+inline void QTile(const float* x, int64_t ldx, const uint8_t* panel, const float* scales, int64_t G,
+                  float* y, int64_t ldy, int64_t K, bool prefetch) {
+  const int64_t group = K / G;
+#if defined(__AVX512F__)
+  constexpr int V = W / 16;
+  __m512 acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+  for (int64_t g = 0; g < G; ++g) {
+    __m512 sv[V];
+    for (int v = 0; v < V; ++v) sv[v] = _mm512_loadu_ps(scales + g * W + 16 * v);
+    for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+      const uint8_t* row = QRow<Bits>(panel, k, W);
+      if (prefetch) __builtin_prefetch(row + 4 * kPrefetch, 0, 3);
+      __m512 bv[V];
+      for (int v = 0; v < V; ++v) bv[v] = QLoad<Bits>(row, k, v, sv[v]);
+      for (int r = 0; r < R; ++r) {
+        const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
+        for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(a, bv[v], acc[r][v]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) _mm512_storeu_ps(y + r * ldy + 16 * v, acc[r][v]);
+#else
+  float acc[R][W] = {};
+  for (int64_t k = 0; k < K; ++k) {
+    const uint8_t* row = QRow<Bits>(panel, k, W);
+    const float* sc = scales + (k / group) * W;
+    float b[W];
+    for (int c = 0; c < W; ++c) b[c] = QValue<Bits>(row, k, c) * sc[c];
+    for (int r = 0; r < R; ++r) {
+      const float a = x[r * ldx + k];
+#pragma omp simd
+      for (int c = 0; c < W; ++c) acc[r][c] += a * b[c];
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < W; ++c) y[r * ldy + c] = acc[r][c];
+#endif
+}
+
+template <int W, int Bits>
+void QPanel(const float* x, int64_t m0, int64_t m1, int64_t K, const uint8_t* panel, const float* scales,
+            int64_t G, float* y, int64_t N) {
+  for (int64_t m = m0; m < m1; m += kRows) {
+    const float* xs = x + m * K;
+    float* ys = y + m * N;
+    const bool pf = m == m0;
+    switch (std::min<int64_t>(kRows, m1 - m)) {
+      case 8: QTile<8, W, Bits>(xs, K, panel, scales, G, ys, N, K, pf); break;
+      case 7: QTile<7, W, Bits>(xs, K, panel, scales, G, ys, N, K, pf); break;
+      case 6: QTile<6, W, Bits>(xs, K, panel, scales, G, ys, N, K, pf); break;
+      case 5: QTile<5, W, Bits>(xs, K, panel, scales, G, ys, N, K, pf); break;
+      case 4: QTile<4, W, Bits>(xs, K, panel, scales, G, ys, N, K, pf); break;
+      case 3: QTile<3, W, Bits>(xs, K, panel, scales, G, ys, N, K, pf); break;
+      case 2: QTile<2, W, Bits>(xs, K, panel, scales, G, ys, N, K, pf); break;
+      default: QTile<1, W, Bits>(xs, K, panel, scales, G, ys, N, K, pf); break;
+    }
+  }
+}
+
+template <int Bits>
+ffi::Error QImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scales,
+                 ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || sd.size() != 3 || yd.size() != 2)
+    return ffi::Error::InvalidArgument("quantized linear: expected x [M, K], w [P, K', W], scales [P, G, W], y [M, N]");
+  const int64_t M = xd[0], K = xd[1], P = wd[0], W = wd[2], G = sd[1];
+  const int64_t rows_stored = Bits == 8 ? K : K / 2;
+  if (wd[1] != rows_stored || (W != 16 && W != 32 && W != 48) || sd[0] != P || sd[2] != W || G < 1 || K % G ||
+      (Bits == 4 && (K / G) % 2) || yd[0] != M || yd[1] != P * W)
+    return ffi::Error::InvalidArgument("quantized linear: sizes do not match (K a multiple of the groups, "
+                                       "even groups for 4 bits, panels of 16, 32 or 48)");
+  if (M == 0) return ffi::Error::Success();
+  const float* xs = x.typed_data();
+  const uint8_t* ws = static_cast<const uint8_t*>(w.untyped_data());
+  const float* ss = scales.typed_data();
+  float* ys = y->typed_data();
+  const int64_t N = P * W;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads()) + 1;
+  int64_t rows = kRowChunk;
+  while (rows > 8 * kRows && P * ((M + rows - 1) / rows) < 2 * threads) rows /= 2;
+  const int64_t chunks = (M + rows - 1) / rows;
+  paged_jax_native::ParallelRanges(pool, P * chunks, 2, [=](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t p = u % P, m0 = (u / P) * rows, m1 = std::min(M, m0 + rows);
+      const uint8_t* panel = ws + p * rows_stored * W;
+      const float* sc = ss + p * G * W;
+      float* out = ys + p * W;
+      switch (W) {
+        case 48: QPanel<48, Bits>(xs, m0, m1, K, panel, sc, G, out, N); break;
+        case 32: QPanel<32, Bits>(xs, m0, m1, K, panel, sc, G, out, N); break;
+        default: QPanel<16, Bits>(xs, m0, m1, K, panel, sc, G, out, N); break;
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
 // The sum of a float32 array, read with the same prefetching and thread sharing as the
 // matmul's weights: experiments/roofline.py measures the machine's read bandwidth with it
 // (beside a jitted jnp.sum), so the floor is not set by a slower reader than the kernels.
@@ -179,3 +313,14 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearF32, Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
+
+#define PAGED_JAX_QLINEAR(name, bits)                                                                 \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, QImpl<bits>,                                                    \
+                                ffi::Ffi::Bind()                                                      \
+                                    .Ctx<ffi::ThreadPool>()                                           \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                     \
+                                    .Arg<ffi::AnyBuffer>()                                            \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                     \
+                                    .Ret<ffi::Buffer<ffi::F32>>());
+PAGED_JAX_QLINEAR(LinearQ8F32, 8)
+PAGED_JAX_QLINEAR(LinearQ4F32, 4)
