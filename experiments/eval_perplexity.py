@@ -3,15 +3,15 @@ checked against transformers' own loss on the same token windows.
 
     python experiments/eval_perplexity.py                      # the bundled default model
     python experiments/eval_perplexity.py --model /path/to/hf-folder --windows 32
-    python experiments/eval_perplexity.py --quantization int8 fp8   # against the float weights
+    python experiments/eval_perplexity.py --quantization int8 fp8 --kv-cache-dtype int8 fp8
 
 The text is the standard library files held out from the default model's training
 (``stdlib_corpus.py``), tokenized with the model's tokenizer, cut into windows of
 ``--window`` tokens (each a prompt). Perplexity = exp(mean negative log-likelihood of every
 window token after the first). The engine's figure and transformers' are printed side by side
 with their ratio; the script exits non-zero if they differ by more than ``--rtol``. With
-``--quantization``, each method's perplexity (weights quantized on load) is printed beside the
-float one's instead.
+``--quantization`` / ``--kv-cache-dtype``, each method's perplexity (weights quantized on load,
+or an 8-bit KV cache) is printed beside the float one's instead.
 """
 
 from __future__ import annotations
@@ -37,12 +37,12 @@ def token_windows(tokenizer, window: int, count: int) -> list[list[int]]:
     return [stream[s:s + window] for s in starts]
 
 
-def engine_nll(model: str, windows: list[list[int]], dtype: str, quantization=None) -> tuple[float, int]:
+def engine_nll(model: str, windows: list[list[int]], dtype: str, **engine_options) -> tuple[float, int]:
     """Summed negative log-likelihood and token count from the engine's prompt logprobs
-    (``quantization``: the weights quantized on load)."""
+    (``engine_options``: e.g. ``quantization="int8"``, ``kv_cache_dtype="int8"``)."""
     from paged_jax import LLM, SamplingParams
 
-    llm = LLM(model, dtype=dtype, max_model_len=max(len(w) for w in windows) + 1, quantization=quantization)
+    llm = LLM(model, dtype=dtype, max_model_len=max(len(w) for w in windows) + 1, **engine_options)
     outs = llm.generate(prompt_token_ids=windows, sampling_params=SamplingParams(max_tokens=1, prompt_logprobs=0))
     nll, n = 0.0, 0
     for w, out in zip(windows, outs):
@@ -76,6 +76,7 @@ def main(argv=None):
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers check")
     ap.add_argument("--rtol", type=float, default=1e-3)
     ap.add_argument("--quantization", nargs="*", default=[], help="compare these on-load methods (int8, fp8)")
+    ap.add_argument("--kv-cache-dtype", nargs="*", default=[], help="compare these KV cache dtypes (int8, fp8)")
     a = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
@@ -89,11 +90,13 @@ def main(argv=None):
     ppl = math.exp(nll / n)
     print(f"paged-jax    perplexity {ppl:10.3f}  ({n} tokens; vocabulary {tokenizer.vocab_size}, "
           f"ratio to the vocabulary {ppl / len(tokenizer):.4f})")
-    for method in a.quantization:
-        q_nll, q_n = engine_nll(model, windows, a.dtype, quantization=method)
+    variants = [(f"{m} weights", dict(quantization=m)) for m in a.quantization]
+    variants += [(f"{d} KV cache", dict(kv_cache_dtype=d)) for d in a.kv_cache_dtype]
+    for name, options in variants:
+        q_nll, q_n = engine_nll(model, windows, a.dtype, **options)
         q_ppl = math.exp(q_nll / q_n)
-        print(f"{method:12s} perplexity {q_ppl:10.3f}  ({method} / float = {q_ppl / ppl:.4f})")
-    if a.no_hf or a.quantization:
+        print(f"{name:15s} perplexity {q_ppl:10.3f}  (/ float = {q_ppl / ppl:.4f})")
+    if a.no_hf or variants:
         return
     hf_total, hf_n = hf_nll(model, windows)
     hf_ppl = math.exp(hf_total / hf_n)

@@ -4,6 +4,8 @@ model runner."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -41,6 +43,7 @@ class EngineArgs:
     watermark: float = 0.01
     tensor_parallel_size: int = 1  # devices the model is split over (Megatron-style; paged_jax.parallel)
     quantization: Optional[str] = None  # "int8" | "fp8": the layers' linear weights quantized as they load
+    kv_cache_dtype: str = "auto"  # "int8" | "fp8": 8-bit KV cache, a scale per token and head
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or not 1 <= self.block_size <= 256:
@@ -59,6 +62,10 @@ class EngineArgs:
         if self.quantization is not None and self.quantization not in QUANTIZE_ON_LOAD:
             raise ValueError(f"quantization must be None or one of {list(QUANTIZE_ON_LOAD)}, "
                              f"got {self.quantization!r}")
+        from paged_jax.attention.kv_quant import KV_CACHE_DTYPES
+
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
@@ -87,6 +94,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     model_path = str(args.model or default_model_path())
     enable_compilation_cache()
     mc, params, mesh = load_for_serving(model_path, args.dtype, args.tensor_parallel_size, args.quantization)
+    mc = dataclasses.replace(mc, kv_cache_dtype=args.kv_cache_dtype)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_path)
     eos = {tokenizer.eos_token_id} | set(mc.eos_token_id or ())
     eos_token_ids = frozenset(e for e in eos if e is not None)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 from paged_jax.attention.backends import (AUTO, NATIVE, REFERENCE, NativeBackend, ReferenceBackend,
                                           available_backends, get_backend, register_backend, select_backend,
                                           soft_cap_mod, window_mask_mod)
+from paged_jax.attention import kv_quant
 from paged_jax.attention.decode import paged_decode_attention
 from paged_jax.attention.metadata import AttentionMetadata
 from paged_jax.attention.reference import paged_attention_reference
@@ -21,7 +22,10 @@ from paged_jax.attention.spec import AttentionSpec
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
-    """Scatter this step's K/V ([T, kv_heads, head_dim]) into their slots."""
+    """Scatter this step's K/V ([T, kv_heads, head_dim]) into their slots (quantized first into an
+    8-bit cache, see :mod:`paged_jax.attention.kv_quant`)."""
+    if kv_quant.kind(k_cache) != "auto":
+        k, v = kv_quant.quantize(k, k_cache.dtype), kv_quant.quantize(v, v_cache.dtype)
     nb, bs, kvh, d = k_cache.shape
     k_cache = k_cache.reshape(nb * bs, kvh, d).at[slot_mapping].set(k.astype(k_cache.dtype)).reshape(nb, bs, kvh, d)
     v_cache = v_cache.reshape(nb * bs, kvh, d).at[slot_mapping].set(v.astype(v_cache.dtype)).reshape(nb, bs, kvh, d)

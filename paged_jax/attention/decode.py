@@ -19,6 +19,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from paged_jax.attention import kv_quant
+
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, tokens_per_group: int = 1024):
     """q: [S, num_heads, head_dim], the newest token of each sequence (at position
@@ -42,8 +44,9 @@ def _decode_rows(q, k_cache, v_cache, block_tables, context_lens, scale):
     _, block_size, KVH, _ = k_cache.shape
     G = H // KVH
     L = block_tables.shape[1] * block_size
-    k = k_cache[block_tables].reshape(S, L, KVH, D).transpose(0, 2, 1, 3)
-    v = v_cache[block_tables].reshape(S, L, KVH, D).transpose(0, 2, 1, 3)
+    # an 8-bit cache is dequantized as gathered (kv_quant); a float one passes through as it is
+    k = kv_quant.dequantize(k_cache[block_tables], D, q.dtype).reshape(S, L, KVH, D).transpose(0, 2, 1, 3)
+    v = kv_quant.dequantize(v_cache[block_tables], D, q.dtype).reshape(S, L, KVH, D).transpose(0, 2, 1, 3)
     qg = q.reshape(S, KVH, G, D)
     scores = jnp.einsum("skgd,skld->skgl", qg, k, preferred_element_type=jnp.float32) * scale
     valid = jnp.arange(L)[None, :] < context_lens[:, None]  # [S, L]

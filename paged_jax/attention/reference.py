@@ -7,6 +7,8 @@ from typing import Callable, Optional
 import jax
 import jax.numpy as jnp
 
+from paged_jax.attention import kv_quant
+
 # Hooks for variants (flex-attention style), applied to float32 scores after scaling:
 #   score_mod(scores [S, KVH, G, Q, L], q_pos [S, 1, 1, Q, 1], k_pos [1, 1, 1, 1, L]) -> scores
 #   mask_mod(q_pos, k_pos) -> bool, broadcastable to scores; True where a key may be seen
@@ -32,8 +34,8 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, q
     _, block_size, KVH, _ = k_cache.shape
     G = H // KVH
     L = block_tables.shape[1] * block_size
-    k = k_cache[block_tables].reshape(S, L, KVH, D)
-    v = v_cache[block_tables].reshape(S, L, KVH, D)
+    k = kv_quant.dequantize(k_cache[block_tables], D, q.dtype).reshape(S, L, KVH, D)  # 8-bit caches: to q's dtype
+    v = kv_quant.dequantize(v_cache[block_tables], D, q.dtype).reshape(S, L, KVH, D)
     qg = q.reshape(S, Q, KVH, G, D)
     scores = jnp.einsum("sqkgd,slkd->skgql", qg, k, preferred_element_type=jnp.float32) * scale
     q_pos = ((context_lens - query_lens)[:, None] + jnp.arange(Q)[None, :])[:, None, None, :, None]

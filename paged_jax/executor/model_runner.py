@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax.attention import AUTO, select_backend
+from paged_jax.attention import AUTO, kv_quant, select_backend
 from paged_jax.executor.batch import Batch, SeqChunk, bucket, prepare_part, split_chunks, warmup_shapes
 from paged_jax.executor.interface import RowSampling, Sample, StepResult, check_sampling
 from paged_jax.memory import cache_ops
@@ -108,8 +108,9 @@ class ModelRunner:
         self.config, self.params, self.block_size = config, params, block_size
         if mesh is not None and attention_backend == AUTO:
             attention_backend = "reference"  # the native kernel inside shard_map is untested
+        cache_dtype = config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
         self.attn = select_backend(attention_backend, [config.attention_spec(i) for i in range(config.num_layers)],
-                                   config.dtype)
+                                   cache_dtype)
         self.attention_backend = self.attn.name
         self.seed = seed
         self.mesh, self.kv_sharding, out_shardings = mesh, None, None
@@ -120,7 +121,8 @@ class ModelRunner:
             self.kv_sharding = parallel.kv_cache_sharding(mesh)
             out_shardings = (parallel.replicated(mesh), self.kv_sharding)
         shape = dict(num_layers=config.num_layers, block_size=block_size, num_kv_heads=config.num_kv_heads,
-                     head_dim=config.head_dim, dtype=jnp.dtype(config.dtype))
+                     head_dim=kv_quant.cache_head_dim(config.head_dim, config.kv_cache_dtype),
+                     dtype=kv_quant.storage_dtype(config.kv_cache_dtype, config.dtype))
         self.kv_caches = cache_ops.allocate_kv_caches(num_blocks=num_gpu_blocks, sharding=self.kv_sharding, **shape)
         self.host_pool = cache_ops.allocate_host_pool(num_blocks=num_cpu_blocks, **shape)
         self._compiled: set = set()

@@ -55,6 +55,7 @@ class ModelConfig:
     attn_logit_softcap: Optional[float] = None
     attention_scale: Optional[float] = None
     final_logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    kv_cache_dtype: str = "auto"  # "int8" | "fp8": the engine's KV cache quantized (paged_jax.attention.kv_quant)
     # Token ids
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[tuple[int, ...]] = field(default=None)
@@ -118,7 +119,10 @@ class ModelConfig:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * DTYPE_BYTES[self.dtype]
+        from paged_jax.attention.kv_quant import bytes_per_token_head
+
+        per_head = bytes_per_token_head(self.head_dim, self.kv_cache_dtype, DTYPE_BYTES[self.dtype])
+        return 2 * self.num_layers * self.num_kv_heads * per_head
 
 
 def resolve_dtype(requested: str, config_dict: dict) -> str:
