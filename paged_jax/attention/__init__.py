@@ -17,6 +17,7 @@ from paged_jax.attention.backends import (AUTO, NATIVE, REFERENCE, NativeBackend
 from paged_jax.attention import kv_quant
 from paged_jax.attention.decode import paged_decode_attention
 from paged_jax.attention.metadata import AttentionMetadata
+from paged_jax.attention.prefill import blockwise_prefill_attention
 from paged_jax.attention.reference import paged_attention_reference
 from paged_jax.attention.spec import AttentionSpec
 
@@ -69,4 +70,5 @@ _register_pallas()
 
 __all__ = ["AUTO", "NATIVE", "REFERENCE", "AttentionMetadata", "AttentionSpec", "NativeBackend", "ReferenceBackend",
            "available_backends", "get_backend", "paged_attention_layer", "paged_attention_reference", "paged_decode_attention",
+           "blockwise_prefill_attention",
            "register_backend", "select_backend", "soft_cap_mod", "window_mask_mod", "write_kv"]

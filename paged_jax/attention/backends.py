@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 
 from paged_jax.attention.decode import paged_decode_attention
+from paged_jax.attention.prefill import blockwise_prefill_attention
 from paged_jax.attention.reference import MaskMod, ScoreMod, paged_attention_reference
 from paged_jax.attention.spec import AttentionSpec
 
@@ -104,8 +105,10 @@ class ReferenceBackend:
     The spec's soft-cap and window become the reference's ``score_mod`` / ``mask_mod``;
     ``score_mod`` / ``mask_mod`` given here are a researcher's own variant, applied after the
     spec's (the cap, then your score_mod; your mask and the window both must allow a key).
-    A decode step without hooks runs :func:`paged_decode_attention`: plain jnp, the same
-    function in the head-major layout XLA's CPU backend runs fastest."""
+    Prefill runs :func:`blockwise_prefill_attention`: the same function computed blockwise with an
+    online softmax, so a long prompt's memory grows linearly with its length (``dense_prefill``
+    is the reference itself). A decode step without hooks runs :func:`paged_decode_attention`:
+    plain jnp, the same function in the head-major layout XLA's CPU backend runs fastest."""
 
     def __init__(self, name: str = "reference", score_mod: Optional[ScoreMod] = None,
                  mask_mod: Optional[MaskMod] = None):
@@ -119,6 +122,17 @@ class ReferenceBackend:
                     mask_mod=_both_masks(window_mask_mod(spec.sliding_window), self.mask_mod))
 
     def prefill(self, q, k_cache, v_cache, meta, spec: AttentionSpec):
+        # Blockwise (online softmax over K/V chunks): memory linear in the prompt, not quadratic.
+        # The spec's window is passed as such (not as a hook) so that chunks before it are skipped.
+        return blockwise_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_lens,
+                                       spec.scale, score_mod=_chain_scores(soft_cap_mod(spec.logit_soft_cap),
+                                                                           self.score_mod),
+                                       mask_mod=self.mask_mod, sliding_window=spec.sliding_window)
+
+    def dense_prefill(self, q, k_cache, v_cache, meta, spec: AttentionSpec):
+        """The same prefill through :func:`paged_attention_reference` itself: one ``[Q, L]`` score
+        matrix per head (quadratic memory in the prompt). What ``prefill`` ran before it went
+        blockwise; kept for comparisons (``experiments/bench_long_prompt.py``)."""
         return paged_attention_reference(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
                                          meta.query_lens, spec.scale, **self._hooks(spec))
 
@@ -131,7 +145,8 @@ class ReferenceBackend:
 
 
 class NativeBackend:
-    """Decode through the C++ CPU kernel (``paged_jax/native``), prefill through the reference.
+    """Decode through the C++ CPU kernel (``paged_jax/native``), prefill through the reference
+    backend's (blockwise jnp, :func:`blockwise_prefill_attention`).
 
     float32 or bfloat16 caches on a CPU where the kernel builds; no sliding window or
     soft-cap (the kernel has neither)."""

@@ -13,6 +13,9 @@ from paged_jax.attention import kv_quant
 #   score_mod(scores [S, KVH, G, Q, L], q_pos [S, 1, 1, Q, 1], k_pos [1, 1, 1, 1, L]) -> scores
 #   mask_mod(q_pos, k_pos) -> bool, broadcastable to scores; True where a key may be seen
 #   (in addition to the causal mask and the sequence length, which always apply).
+# The blockwise prefill (prefill.py, what the backends run) calls the same hooks on one tile at a time,
+# [S, KVH, G, q_chunk, kv_chunk] with that tile's absolute positions: write hooks elementwise in
+# (score, q_pos, k_pos), never depending on the full Q or L.
 ScoreMod = Callable[[jax.Array, jax.Array, jax.Array], jax.Array]
 MaskMod = Callable[[jax.Array, jax.Array], jax.Array]
 
