@@ -32,6 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from paged_jax.attention import kv_quant
 from paged_jax.attention.reference import MaskMod, ScoreMod
 
 _NEG = -1e30  # masked score (finite: a row that sees nothing stays NaN-free)
@@ -88,8 +89,9 @@ def blockwise_prefill_attention(q, k_cache, v_cache, block_tables, context_lens,
         def kv_step(c, carry):
             o, m, l = carry  # o [S, KVH, G, qc, D], m and l [S, KVH, G, qc]
             pages = lax.dynamic_slice_in_dim(tables, c * ppc, ppc, axis=1)  # [S, ppc]
-            k = k_cache[pages].reshape(S, lc, KVH, D).transpose(0, 2, 1, 3)  # [S, KVH, lc, D]
-            v = v_cache[pages].reshape(S, lc, KVH, D).transpose(0, 2, 1, 3)
+            # [S, KVH, lc, D]; an 8-bit cache is dequantized as gathered (kv_quant)
+            k = kv_quant.dequantize(k_cache[pages], D, qi.dtype).reshape(S, lc, KVH, D).transpose(0, 2, 1, 3)
+            v = kv_quant.dequantize(v_cache[pages], D, qi.dtype).reshape(S, lc, KVH, D).transpose(0, 2, 1, 3)
             k_pos = c * lc + jnp.arange(lc, dtype=jnp.int32)
             k_pos5 = k_pos[None, None, None, None, :]
             s = jnp.einsum("skgqd,skld->skgql", qi, k, preferred_element_type=jnp.float32) * scale
