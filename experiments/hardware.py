@@ -7,6 +7,8 @@ each setup holds the number of token slots Table 1 gives.
 
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 from paged_jax.models.config import ModelConfig, model_config_from_hf
@@ -85,6 +87,19 @@ SETUPS: dict[str, Setup] = {
     # Not in Table 1: LLaMA-13B (shared-prefix experiment) has OPT-13B's KV size per token; same GPU and pool.
     "llama-13b": Setup("LLaMA-13B, 1xA100-40GB", MODELS["llama-13b"], A100_40GB, 1, 15_700),
 }
+
+
+def with_kv_cache(setup: Setup, kv_cache_dtype: str, name: str) -> Setup:
+    """``setup`` with its KV cache stored as ``kv_cache_dtype`` (``"int8"`` / ``"fp8"``: one byte per
+    value plus a 2-byte scale per token and head, paged_jax.attention.kv_quant) in the same memory:
+    the slots grow by the ratio of bytes per token, and every K/V read is that much smaller."""
+    model = dataclasses.replace(setup.model, kv_cache_dtype=kv_cache_dtype)
+    slots = int(setup.kv_slots * setup.model.kv_bytes_per_token / model.kv_bytes_per_token)
+    return dataclasses.replace(setup, name=name, model=model, kv_slots=slots)
+
+
+# Beyond the paper: OPT-13B with an 8-bit KV cache in the 16-bit cache's memory.
+SETUPS["opt-13b-kv8"] = with_kv_cache(SETUPS["opt-13b"], "int8", "OPT-13B, 8-bit KV, 1xA100-40GB")
 
 
 def get_setup(name: str) -> Setup:

@@ -85,4 +85,10 @@ same 256 tokens of K/V at each block size: a block's swap is 2 x 40 copy calls (
 layer) over PCIe, so small blocks pay the per-call latency many times; recomputing costs the same
 at any block size. (b) OPT-13B, ShareGPT at paged-jax's
 capacity, preemption mode forced to recompute or swap.""",
+    "kv8": """
+**Beyond the paper -- an 8-bit KV cache** (`figkv8_latency.png`, `figkv8_capacity.csv`,
+`figkv8_latency.csv`). OPT-13B on ShareGPT, paged-jax with `kv_cache_dtype="int8"` (one byte per value,
+a float16 scale per token and head) against the paper's 16-bit cache in the same memory: 1.97x the
+KV slots, and half the K/V bytes read per step. Dequantizing is not charged (a GPU kernel does it in
+registers while it waits on memory).""",
 }

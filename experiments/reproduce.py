@@ -17,11 +17,12 @@ import time
 
 from experiments.runner import Context, write_csv
 
-FIGURES = ["2", "12", "13", "14", "15", "16", "17", "18b", "19"]
+FIGURES = ["2", "12", "13", "14", "15", "16", "17", "18b", "19", "kv8"]  # kv8: beyond the paper
 
 
 MODULES = {"2": "fig_serving", "12": "fig_serving", "13": "fig_serving", "14": "fig_sharing", "15": "fig_sharing",
-           "16": "fig_sharing", "17": "fig_sharing", "18b": "fig_ablation", "19": "fig_ablation"}
+           "16": "fig_sharing", "17": "fig_sharing", "18b": "fig_ablation", "19": "fig_ablation",
+           "kv8": "fig_kv_cache"}
 
 
 def _figure_fn(name: str):
