@@ -13,8 +13,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from paged_jax import LLM, SamplingParams
-from paged_jax.attention import REFERENCE, AttentionMetadata, AttentionSpec, kv_quant, write_kv
+from paged_jax import LLM, SamplingParams, native
+from paged_jax.attention import NATIVE, REFERENCE, AttentionMetadata, AttentionSpec, kv_quant, write_kv
 from paged_jax.attention.reference import paged_attention_reference
 
 
@@ -72,8 +72,10 @@ def test_backends_read_an_8bit_cache_through_the_block_table_as_its_dequantized_
     spec = AttentionSpec(scale=d ** -0.5)
     q = jnp.asarray(rng.standard_normal((2, h, d)).astype(np.float32))
     meta = _meta(tables, lens, [1, 1], [0, 0])
-    np.testing.assert_allclose(np.asarray(REFERENCE.decode(q, kq, vq, meta, spec)),
-                               np.asarray(REFERENCE.decode(q, kf, vf, meta, spec)), rtol=1e-5, atol=1e-5)
+    want = np.asarray(REFERENCE.decode(q, kf, vf, meta, spec))
+    np.testing.assert_allclose(np.asarray(REFERENCE.decode(q, kq, vq, meta, spec)), want, rtol=1e-5, atol=1e-5)
+    if kind == "int8" and native.available():  # the C++ decode kernel reads the int8 entries and scales itself
+        np.testing.assert_allclose(np.asarray(NATIVE.decode(q, kq, vq, meta, spec)), want, rtol=1e-5, atol=1e-5)
     qp = jnp.asarray(rng.standard_normal((2, 5, h, d)).astype(np.float32))
     meta = _meta(tables, lens, [5, 3], [0])
     want = paged_attention_reference(qp, kf, vf, meta.block_tables, meta.context_lens, meta.query_lens, spec.scale)
@@ -104,7 +106,8 @@ def test_the_same_memory_holds_more_blocks_and_int8_keeps_the_default_models_gre
     assert ratio == pytest.approx(4 * d / (d + 2), rel=0.005), (blocks, d)  # 4 bytes per value vs 1, and the scale
     k = llm_q.llm_engine.runner.kv_caches[0][0]
     assert k.dtype == jnp.int8 and k.shape[-1] == d + 2
-    assert llm_q.llm_engine.runner.attention_backend == "reference"  # native has no 8-bit cache: auto says so
+    # the native decode kernel reads int8 caches itself; without it, the reference
+    assert llm_q.llm_engine.runner.attention_backend == ("native" if native.available() else "reference")
     assert got == want
 
 
@@ -141,10 +144,11 @@ def test_8bit_cache_keeps_held_out_perplexity_within_one_percent(kind):
     assert q_nll != nll and abs(ratio - 1) < 0.01, ratio
 
 
-@pytest.mark.parametrize("backend", ["native", "pallas-interpret"])
-def test_backends_without_an_8bit_reader_refuse_it_at_start(backend):
-    with pytest.raises(ValueError, match=rf"attention_backend=.?{backend}.? .*'int8'"):
-        LLM(kv_cache_dtype="int8", attention_backend=backend)
+@pytest.mark.parametrize("backend, kind", [("native", "fp8"), ("pallas-interpret", "int8"),
+                                           ("pallas-interpret", "fp8")])
+def test_backends_without_an_8bit_reader_refuse_it_at_start(backend, kind):
+    with pytest.raises(ValueError, match=rf"attention_backend=.?{backend}.? .*'{kind}'"):
+        LLM(kv_cache_dtype=kind, attention_backend=backend)
 
 
 def test_kv_cache_dtype_names_the_allowed_values():

@@ -148,11 +148,11 @@ class NativeBackend:
     """Decode through the C++ CPU kernel (``paged_jax/native``), prefill through the reference
     backend's (blockwise jnp, :func:`blockwise_prefill_attention`).
 
-    float32 or bfloat16 caches on a CPU where the kernel builds; no sliding window or
-    soft-cap (the kernel has neither)."""
+    float32 or bfloat16 caches, or an int8 one (``kv_cache_dtype="int8"``), on a CPU where the
+    kernel builds; no sliding window or soft-cap (the kernel has neither)."""
 
     name = "native"
-    DTYPES = ("float32", "bfloat16")
+    DTYPES = ("float32", "bfloat16", "int8")
 
     def check(self, spec: AttentionSpec, dtype: str) -> None:
         from paged_jax import native
@@ -162,7 +162,7 @@ class NativeBackend:
             why = (f"its decode kernel has no sliding window or logit soft-cap, and the model asks for "
                    f"sliding_window={spec.sliding_window}, logit_soft_cap={spec.logit_soft_cap}")
         elif str(dtype) not in self.DTYPES:
-            why = f"it takes dtype {' or '.join(self.DTYPES)}, got {dtype!r}"
+            why = f"it takes caches of dtype {', '.join(self.DTYPES)}, got {dtype!r}"
         elif jax.default_backend() != "cpu":
             why = f"it runs on a CPU, and JAX's default backend is {jax.default_backend()!r}"
         elif not native.available():

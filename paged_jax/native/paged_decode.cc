@@ -6,11 +6,15 @@
 // straight from the paged cache (nothing is gathered into a temporary), softmax in
 // float32. Slots past a sequence's context are never read. Work is split over
 // sequences and shared with XLA's intra-op thread pool. Caches and queries are float32 or
-// bfloat16 (read as float32; the output rounded to bfloat16 to nearest even, as astype).
+// bfloat16 (read as float32; the output rounded to bfloat16 to nearest even, as astype), or
+// float32 queries over an int8 cache (paged_jax.attention.kv_quant: each head's entry is D int8
+// values and a float16 scale, D + 2 bytes; the scales multiply the dot products and the weights).
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "parallel.h"
@@ -20,20 +24,44 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// T: float, or uint16_t holding bfloat16 bits.
-template <typename T>
+// T: float, or uint16_t holding bfloat16 bits. C: the cache's element, T or int8_t (quantized).
+template <typename T, typename C = T>
 struct Problem {
   const T* q;           // [S, H, D]
-  const T* k;           // [NB, BS, KVH, D]
-  const T* v;           // [NB, BS, KVH, D]
+  const C* k;           // [NB, BS, KVH, E], E = D (float caches) or D + 2 (int8 values, float16 scale)
+  const C* v;           // [NB, BS, KVH, E]
   const int32_t* bt;    // [S, MB]
   const int32_t* lens;  // [S]
   T* out;               // [S, H, D]
   int64_t S, H, D, NB, BS, KVH, MB;
   float scale;
+  int64_t E;  // elements per token and head in the cache
 };
 
 inline float ToFloat(float x) { return x; }
+inline float ToFloat(int8_t x) { return static_cast<float>(x); }
+
+inline float HalfToFloat(uint16_t h) {  // IEEE binary16 -> float32
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  if (exp == 0) {
+    const float f = std::ldexp(static_cast<float>(man), -24);
+    return sign ? -f : f;
+  }
+  if (exp == 31) return __builtin_bit_cast(float, sign | 0x7f800000u | (man << 13));
+  return __builtin_bit_cast(float, sign | ((exp + 112) << 23) | (man << 13));
+}
+
+// The scale of a quantized head entry (its last two bytes), 1 for a float cache.
+template <typename C>
+inline float EntryScale(const C* entry, int64_t D) {
+  if constexpr (std::is_same_v<C, int8_t>) {
+    uint16_t bits;
+    std::memcpy(&bits, entry + D, sizeof(bits));
+    return HalfToFloat(bits);
+  } else {
+    return 1.f;
+  }
+}
 inline float ToFloat(uint16_t bf16) { return __builtin_bit_cast(float, static_cast<uint32_t>(bf16) << 16); }
 
 inline void FromFloat(float x, float* out) { *out = x; }
@@ -70,9 +98,9 @@ inline void Prefetch(const char* p, int64_t bytes) {
 // One sequence: all its query heads over its context, block by block with an online
 // softmax. A token's K (and V) row holds every KV head ([KVH, D], contiguous), so each
 // block is read in order, once, K and V together.
-template <int kD, typename T>
-void AttendOne(const Problem<T>& p, int64_t s, std::vector<float>& scratch) {
-  const int64_t H = p.H, KVH = p.KVH, G = H / KVH, D = p.D, BS = p.BS, row = KVH * D;
+template <int kD, typename T, typename C>
+void AttendOne(const Problem<T, C>& p, int64_t s, std::vector<float>& scratch) {
+  const int64_t H = p.H, KVH = p.KVH, G = H / KVH, D = p.D, E = p.E, BS = p.BS, row = KVH * E;
   scratch.resize(H * BS + 2 * H + 2 * H * D);
   float* sc = scratch.data();        // [H, BS] this block's scores, then weights
   float* m = sc + H * BS;            // [H] running max
@@ -97,8 +125,8 @@ void AttendOne(const Problem<T>& p, int64_t s, std::vector<float>& scratch) {
   const int64_t nblocks = (L + BS - 1) / BS;
   for (int64_t j = 0; j < nblocks; ++j) {
     const int64_t b = block_at(j), n = std::min(BS, L - j * BS);
-    const T* kb = p.k + b * BS * row;
-    const T* vb = p.v + b * BS * row;
+    const C* kb = p.k + b * BS * row;
+    const C* vb = p.v + b * BS * row;
     // The next block is fetched a row at a time alongside this one's rows: the hardware
     // prefetchers stop at page boundaries, and blocks lie anywhere (about 1.3x faster).
     const char* k_next = nullptr;
@@ -109,10 +137,12 @@ void AttendOne(const Problem<T>& p, int64_t s, std::vector<float>& scratch) {
       v_next = reinterpret_cast<const char*>(p.v + nb * BS * row);
     }
     for (int64_t t = 0; t < n; ++t) {
-      const T* key = kb + t * row;
-      if (k_next) Prefetch(k_next + t * row * sizeof(T), row * sizeof(T));
-      for (int64_t kh = 0, h = 0; kh < KVH; ++kh)
-        for (int64_t g = 0; g < G; ++g, ++h) sc[h * BS + t] = Dot<kD>(q + h * D, key + kh * D, D) * p.scale;
+      const C* key = kb + t * row;
+      if (k_next) Prefetch(k_next + t * row * sizeof(C), row * sizeof(C));
+      for (int64_t kh = 0, h = 0; kh < KVH; ++kh) {
+        const float ks = EntryScale(key + kh * E, D) * p.scale;
+        for (int64_t g = 0; g < G; ++g, ++h) sc[h * BS + t] = Dot<kD>(q + h * D, key + kh * E, D) * ks;
+      }
     }
     for (int64_t h = 0; h < H; ++h) {
       float* x = sc + h * BS;
@@ -133,10 +163,12 @@ void AttendOne(const Problem<T>& p, int64_t s, std::vector<float>& scratch) {
       }
     }
     for (int64_t t = 0; t < n; ++t) {
-      const T* val = vb + t * row;
-      if (v_next) Prefetch(v_next + t * row * sizeof(T), row * sizeof(T));
-      for (int64_t kh = 0, h = 0; kh < KVH; ++kh)
-        for (int64_t g = 0; g < G; ++g, ++h) Axpy<kD>(sc[h * BS + t], val + kh * D, out + h * D, D);
+      const C* val = vb + t * row;
+      if (v_next) Prefetch(v_next + t * row * sizeof(C), row * sizeof(C));
+      for (int64_t kh = 0, h = 0; kh < KVH; ++kh) {
+        const float vs = EntryScale(val + kh * E, D);
+        for (int64_t g = 0; g < G; ++g, ++h) Axpy<kD>(sc[h * BS + t] * vs, val + kh * E, out + h * D, D);
+      }
     }
   }
   for (int64_t h = 0; h < H; ++h) {
@@ -146,17 +178,16 @@ void AttendOne(const Problem<T>& p, int64_t s, std::vector<float>& scratch) {
   }
 }
 
-template <ffi::DataType DT>
-ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k, ffi::Buffer<DT> v,
-                ffi::Buffer<ffi::S32> bt, ffi::Buffer<ffi::S32> lens, float scale, ffi::ResultBuffer<DT> out) {
-  using T = ffi::NativeType<DT>;
-  auto qd = q.dimensions(), kd = k.dimensions(), bd = bt.dimensions();
-  if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2 || v.dimensions().size() != 4 ||
-      !std::equal(kd.begin(), kd.end(), v.dimensions().begin()))
-    return ffi::Error::InvalidArgument("paged_decode: expected q [S,H,D], caches [NB,BS,KVH,D], tables [S,MB]");
-  Problem<T> p{q.typed_data(), k.typed_data(), v.typed_data(), bt.typed_data(), lens.typed_data(),
-               out->typed_data(), qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], bd[1], scale};
-  if (kd[3] != p.D || p.KVH <= 0 || p.NB <= 0 || p.BS <= 0 || p.H % p.KVH != 0 || bd[0] != p.S ||
+template <typename T, typename C>
+ffi::Error Run(ffi::ThreadPool pool, const T* q, ffi::Span<const int64_t> qd, const C* k, const C* v,
+               ffi::Span<const int64_t> kd, ffi::Span<const int64_t> vd, ffi::Buffer<ffi::S32> bt,
+               ffi::Buffer<ffi::S32> lens, float scale, T* out, int64_t extra) {
+  auto bd = bt.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2 || vd.size() != 4 || !std::equal(kd.begin(), kd.end(), vd.begin()))
+    return ffi::Error::InvalidArgument("paged_decode: expected q [S,H,D], caches [NB,BS,KVH,D(+2)], tables [S,MB]");
+  Problem<T, C> p{q, k, v, bt.typed_data(), lens.typed_data(), out, qd[0], qd[1], qd[2], kd[0], kd[1], kd[2], bd[1],
+                  scale, kd[3]};
+  if (kd[3] != p.D + extra || p.KVH <= 0 || p.NB <= 0 || p.BS <= 0 || p.H % p.KVH != 0 || bd[0] != p.S ||
       lens.dimensions().size() != 1 || lens.dimensions()[0] != p.S)
     return ffi::Error::InvalidArgument("paged_decode: head counts or sizes do not match");
   paged_jax_native::ParallelRanges(pool, p.S, 4, [&p](int64_t s0, int64_t s1) {
@@ -169,6 +200,20 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k, ffi:
       }
   });
   return ffi::Error::Success();
+}
+
+template <ffi::DataType DT>
+ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k, ffi::Buffer<DT> v,
+                ffi::Buffer<ffi::S32> bt, ffi::Buffer<ffi::S32> lens, float scale, ffi::ResultBuffer<DT> out) {
+  return Run(pool, q.typed_data(), q.dimensions(), k.typed_data(), v.typed_data(), k.dimensions(), v.dimensions(),
+             bt, lens, scale, out->typed_data(), 0);
+}
+
+// float32 queries over an int8 cache with a float16 scale per token and head (kv_quant's layout).
+ffi::Error ImplQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k, ffi::Buffer<ffi::S8> v,
+                  ffi::Buffer<ffi::S32> bt, ffi::Buffer<ffi::S32> lens, float scale, ffi::ResultBuffer<ffi::F32> out) {
+  return Run(pool, q.typed_data(), q.dimensions(), k.typed_data(), v.typed_data(), k.dimensions(), v.dimensions(),
+             bt, lens, scale, out->typed_data(), 2);
 }
 
 }  // namespace
@@ -186,3 +231,14 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k, ffi:
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeF32, Impl<ffi::F32>, PAGED_DECODE_BINDING(ffi::F32));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeBF16, Impl<ffi::BF16>, PAGED_DECODE_BINDING(ffi::BF16));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeQ8, ImplQ8,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S8>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("scale")
+                                  .Ret<ffi::Buffer<ffi::F32>>());
