@@ -16,6 +16,7 @@ import pytest
 from paged_jax import LLM, SamplingParams, native
 from paged_jax.attention import NATIVE, REFERENCE, AttentionMetadata, AttentionSpec, kv_quant, write_kv
 from paged_jax.attention.reference import paged_attention_reference
+from tests.test_quantized import held_out_perplexity_ratio
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
@@ -126,22 +127,8 @@ def test_an_8bit_cache_survives_swap_recompute_and_prefix_sharing():
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])
 def test_8bit_cache_keeps_held_out_perplexity_within_one_percent(kind):
-    import math
-    import os
-    import sys
-
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
-    import eval_perplexity
-    from transformers import AutoTokenizer
-
-    from paged_jax.models.tiny import default_model_path
-
-    folder = str(default_model_path())
-    windows = eval_perplexity.token_windows(AutoTokenizer.from_pretrained(folder), 128, 4)
-    nll, n = eval_perplexity.engine_nll(folder, windows, "float32")
-    q_nll, q_n = eval_perplexity.engine_nll(folder, windows, "float32", kv_cache_dtype=kind)
-    ratio = math.exp(q_nll / q_n) / math.exp(nll / n)
-    assert q_nll != nll and abs(ratio - 1) < 0.01, ratio
+    ratio = held_out_perplexity_ratio(kv_cache_dtype=kind)
+    assert ratio != 1 and abs(ratio - 1) < 0.01, ratio
 
 
 @pytest.mark.parametrize("backend, kind", [("native", "fp8"), ("pallas-interpret", "int8"),

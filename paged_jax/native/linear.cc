@@ -96,6 +96,20 @@ void Panel(const float* x, int64_t m0, int64_t m1, int64_t K, const float* panel
   }
 }
 
+// Calls fn(panel, first row, end row) for every unit of work, (row chunk, panel), over XLA's
+// threads; panels innermost so that a thread's range runs along the panel stream. Few panels and
+// many rows (a narrow projection in a long prefill): shorter row chunks, so that every thread gets work.
+template <typename F>
+void ForEachPanelChunk(ffi::ThreadPool& pool, int64_t M, int64_t P, F fn) {
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads()) + 1;
+  int64_t rows = kRowChunk;
+  while (rows > 8 * kRows && P * ((M + rows - 1) / rows) < 2 * threads) rows /= 2;
+  const int64_t chunks = (M + rows - 1) / rows;
+  paged_jax_native::ParallelRanges(pool, P * chunks, 2, [=](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) fn(u % P, (u / P) * rows, std::min(M, (u / P) * rows + rows));
+  });
+}
+
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                 ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
@@ -109,23 +123,13 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
   const float* ws = w.typed_data();
   float* ys = y->typed_data();
   const int64_t N = P * W;
-  // Units of work: (row chunk, panel), panels innermost so that a thread's range runs along the
-  // panel stream. Few panels and many rows (a narrow projection in a long prefill): shorter row
-  // chunks, so that every thread gets work.
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads()) + 1;
-  int64_t rows = kRowChunk;
-  while (rows > 8 * kRows && P * ((M + rows - 1) / rows) < 2 * threads) rows /= 2;
-  const int64_t chunks = (M + rows - 1) / rows;
-  paged_jax_native::ParallelRanges(pool, P * chunks, 2, [=](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t p = u % P, m0 = (u / P) * rows, m1 = std::min(M, m0 + rows);
-      const float* panel = ws + p * K * W;
-      float* out = ys + p * W;
-      switch (W) {
-        case 48: Panel<48>(xs, m0, m1, K, panel, out, N); break;
-        case 32: Panel<32>(xs, m0, m1, K, panel, out, N); break;
-        default: Panel<16>(xs, m0, m1, K, panel, out, N); break;
-      }
+  ForEachPanelChunk(pool, M, P, [=](int64_t p, int64_t m0, int64_t m1) {
+    const float* panel = ws + p * K * W;
+    float* out = ys + p * W;
+    switch (W) {
+      case 48: Panel<48>(xs, m0, m1, K, panel, out, N); break;
+      case 32: Panel<32>(xs, m0, m1, K, panel, out, N); break;
+      default: Panel<16>(xs, m0, m1, K, panel, out, N); break;
     }
   });
   return ffi::Error::Success();
@@ -245,21 +249,14 @@ ffi::Error QImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w
   const float* ss = scales.typed_data();
   float* ys = y->typed_data();
   const int64_t N = P * W;
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads()) + 1;
-  int64_t rows = kRowChunk;
-  while (rows > 8 * kRows && P * ((M + rows - 1) / rows) < 2 * threads) rows /= 2;
-  const int64_t chunks = (M + rows - 1) / rows;
-  paged_jax_native::ParallelRanges(pool, P * chunks, 2, [=](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) {
-      const int64_t p = u % P, m0 = (u / P) * rows, m1 = std::min(M, m0 + rows);
-      const uint8_t* panel = ws + p * rows_stored * W;
-      const float* sc = ss + p * G * W;
-      float* out = ys + p * W;
-      switch (W) {
-        case 48: QPanel<48, Bits>(xs, m0, m1, K, panel, sc, G, out, N); break;
-        case 32: QPanel<32, Bits>(xs, m0, m1, K, panel, sc, G, out, N); break;
-        default: QPanel<16, Bits>(xs, m0, m1, K, panel, sc, G, out, N); break;
-      }
+  ForEachPanelChunk(pool, M, P, [=](int64_t p, int64_t m0, int64_t m1) {
+    const uint8_t* panel = ws + p * rows_stored * W;
+    const float* sc = ss + p * G * W;
+    float* out = ys + p * W;
+    switch (W) {
+      case 48: QPanel<48, Bits>(xs, m0, m1, K, panel, sc, G, out, N); break;
+      case 32: QPanel<32, Bits>(xs, m0, m1, K, panel, sc, G, out, N); break;
+      default: QPanel<16, Bits>(xs, m0, m1, K, panel, sc, G, out, N); break;
     }
   });
   return ffi::Error::Success();
