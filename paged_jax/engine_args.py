@@ -32,7 +32,7 @@ class EngineArgs:
     max_num_batched_tokens: Optional[int] = None
     max_model_len: Optional[int] = None
     preemption_mode: Optional[str] = None
-    enable_chunked_prefill: bool = False
+    enable_chunked_prefill: bool = True  # False: the paper's mode, a prompt runs whole in one step
     enable_prefix_caching: bool = False
     # False: samples and beams get copies instead of shared blocks (a baseline for measuring sharing).
     enable_block_sharing: bool = True
