@@ -88,6 +88,8 @@ def add_request_args(ap) -> None:
     ap.add_argument("--max-num-seqs", type=int, default=256)
     ap.add_argument("--max-num-batched-tokens", type=int, default=None)
     ap.add_argument("--no-warm-up", action="store_true", help="paged-jax: compile on first use instead")
+    ap.add_argument("--enable-chunked-prefill", choices=["default", "on", "off"], default="default",
+                    help="paged-jax: chunked prefill as the engine's default (on), on, or off (the paper's mode)")
 
 
 def make_requests(a, vocab_size: int) -> list[Request]:
@@ -127,12 +129,15 @@ def sampling_params(a, output_len: int):
 
 
 # ---- paged-jax ---------------------------------------------------------------
-def make_llm(a, model: str, max_model_len: int, max_num_seqs: Optional[int] = None, warm_up: bool = True):
+def make_llm(a, model: str, max_model_len: int, max_num_seqs: Optional[int] = None, warm_up: bool = True,
+             chunked: Optional[str] = None):
     from paged_jax import LLM
 
+    chunked = chunked or getattr(a, "enable_chunked_prefill", "default")
+    kw = {} if chunked == "default" else dict(enable_chunked_prefill=chunked == "on")
     llm = LLM(model, max_num_seqs=max_num_seqs or a.max_num_seqs, max_model_len=max_model_len,
               block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
-              max_num_batched_tokens=a.max_num_batched_tokens, seed=a.seed)
+              max_num_batched_tokens=a.max_num_batched_tokens, seed=a.seed, **kw)
     if warm_up:
         t = time.perf_counter()
         n = llm.llm_engine.warm_up(sampling_params(a, 1))

@@ -14,6 +14,22 @@ the second run is the timed one, no compilation). Peak memory is the child's ``r
 "over base" is that minus the peak before the first prompt (model, pool, JAX runtime).
 The "before" path is the native decode kernel with ``ReferenceBackend.dense_prefill``, which
 is exactly what ``"auto"`` ran for prompts before prefill went blockwise.
+
+Stutter mode (``--stutter``): streams decoding while a long prompt arrives, one process, side by side:
+
+    python experiments/bench_long_prompt.py --stutter [--prompt-len 4000] [--streams 16] [--budgets 64 128 256 512 1024]
+
+The model is GPT-2-shaped (512 wide, 8 layers, 8 heads, vocabulary 1,024, random float32). For chunked
+prefill off and for chunked prefill on at each budget (``max_num_batched_tokens``), a fresh engine with
+otherwise default options: ``--streams`` requests (32-token prompts, greedy, EOS ignored) decode for
+``--before-steps`` steps, then the long prompt is added (``LLMEngine.add_request``) and ``step`` runs,
+each step timed, until the long prompt has its first token, then ``--after-steps`` more. A stream's
+inter-token gap is the time between the ends of two steps that gave it a token. Reported: the streams'
+max and p99 gap during the long prefill (the gaps that end from the step the prompt arrived in to the
+step that gave its first token) over their median gap before it; the share of the long prefill's steps
+in which every stream got a token; the long prompt's time to first token (from ``add_request`` to the
+end of that step) against the same prompt prefilled alone on the same engine. Each configuration runs
+its scenario twice and the prompt alone twice (the first of each compiles); the second is reported.
 """
 
 from __future__ import annotations
@@ -124,17 +140,160 @@ def report(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# ---- stutter mode: streams decoding while a long prompt prefills ----------------------------------
+STUTTER_MODEL = dict(family="gpt2", vocab_size=1024, n_embd=512, n_layer=8, n_head=8)
+
+
+def _ms(x: float) -> str:
+    return f"{1e3 * x:,.1f}"
+
+
+def stutter_run(engine, streams: int, long_prompt: list[int], before: int, after: int, rng, tag: str) -> dict:
+    """One scenario on ``engine``: ``streams`` requests decode, then ``long_prompt`` arrives. Returns the
+    streams' gaps before and during the long prefill, the long prompt's time to first token, step times."""
+    import numpy as np
+
+    from paged_jax import SamplingParams
+
+    vocab = engine.model_config.vocab_size
+    stream_params = SamplingParams(temperature=0, max_tokens=before + after + len(long_prompt) + 64, ignore_eos=True)
+    ids = [f"{tag}-s{i}" for i in range(streams)]
+    for rid in ids:
+        engine.add_request(rid, None, stream_params, rng.integers(3, vocab, size=32).tolist())
+    counts = dict.fromkeys(ids, 0)
+    last = {}  # stream -> end of the step that gave its last token
+    gaps_before, gaps_during, step_times = [], [], []
+    long_id, t_add, ttft, phase, after_left = f"{tag}-long", None, None, "start", after
+    prefill_steps = full_steps = 0
+    while True:
+        if phase == "start" and all(counts[r] >= 2 for r in ids):
+            phase, before_left = "before", before
+        if phase == "before" and before_left == 0:
+            engine.add_request(long_id, None, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
+                               long_prompt)
+            t_add, phase = time.perf_counter(), "during"
+        t0 = time.perf_counter()
+        outs = engine.step()
+        t1 = time.perf_counter()
+        step_times.append((phase, t1 - t0))
+        got = set()
+        for o in outs:
+            if o.request_id in counts:
+                n = len(o.outputs[0].token_ids)
+                if n > counts[o.request_id]:
+                    got.add(o.request_id)
+                    counts[o.request_id] = n
+            elif o.request_id == long_id and o.outputs[0].token_ids and ttft is None:
+                ttft = t1 - t_add
+        for rid in got:
+            if rid in last and phase in ("before", "during"):
+                (gaps_before if phase == "before" else gaps_during).append(t1 - last[rid])
+            last[rid] = t1
+        if phase == "before":
+            before_left -= 1
+        elif phase == "during":
+            prefill_steps += 1
+            full_steps += len(got) == streams
+            if ttft is not None:
+                phase = "after"
+        elif phase == "after":
+            after_left -= 1
+            if after_left == 0:
+                break
+    engine.abort_request(ids)
+    while engine.has_unfinished_requests():
+        engine.step()
+    med = float(np.median(gaps_before))
+    dec = [t for p, t in step_times if p == "before"]
+    mixed = [t for p, t in step_times if p == "during"]
+    return dict(median_gap_before_s=med, max_gap_during_s=max(gaps_during),
+                p99_gap_during_s=float(np.percentile(gaps_during, 99)), ttft_s=ttft, prefill_steps=prefill_steps,
+                steps_every_stream_served=full_steps, decode_step_s=float(np.median(dec)),
+                mixed_step_s=float(np.median(mixed)))
+
+
+def stutter_alone(engine, long_prompt: list[int], tag: str) -> float:
+    from paged_jax import SamplingParams
+
+    t0 = time.perf_counter()
+    engine.add_request(f"{tag}-alone", None, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), long_prompt)
+    while engine.has_unfinished_requests():
+        outs = engine.step()
+    assert outs and outs[-1].outputs[0].token_ids
+    return time.perf_counter() - t0
+
+
+def stutter(a) -> list[dict]:
+    import numpy as np
+
+    from paged_jax.engine import LLMEngine
+    from paged_jax.engine_args import EngineArgs
+    from paged_jax.models.tiny import make_tiny_model
+
+    configs = [("off", None)] * ("off" in a.chunked) + [("on", None)] * ("default" in a.chunked) + \
+        [("on", b) for b in a.budgets]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model = str(make_tiny_model(tmp, n_positions=a.prompt_len + 128, **STUTTER_MODEL))
+        for chunked, budget in configs:
+            engine = LLMEngine(EngineArgs(model=model, enable_chunked_prefill=chunked == "on",
+                                          max_num_batched_tokens=budget, max_model_len=a.prompt_len + 128))
+            cfg = engine.scheduler_config
+            rng = np.random.default_rng(0)
+            vocab = engine.model_config.vocab_size
+            runs, alone = [], []
+            for rep in range(2):  # the first of each compiles the shapes it reaches
+                prompt = rng.integers(3, vocab, size=a.prompt_len).tolist()
+                runs.append(stutter_run(engine, a.streams, prompt, a.before_steps, a.after_steps, rng, f"r{rep}"))
+                alone.append(stutter_alone(engine, prompt, f"r{rep}"))
+            r = dict(chunked=chunked, budget=cfg.max_num_batched_tokens, budget_given=budget is not None,
+                     **runs[-1], ttft_alone_s=alone[-1], compilations=engine.get_stats()["num_compilations"])
+            rows.append(r)
+            print(json.dumps(r), file=sys.stderr, flush=True)
+            del engine
+    return rows
+
+
+def stutter_report(rows: list[dict], a) -> str:
+    lines = [f"{a.streams} streams decoding, a {a.prompt_len:,}-token prompt arrives (GPT-2-shaped: 512 wide, "
+             "8 layers; float32; CPU)", "",
+             "| chunked prefill | token budget | streams' max gap / median before | p99 gap / median | "
+             "steps of the long prefill (every stream served) | long prompt's TTFT (s) | alone (s) | TTFT / alone "
+             "| decode step (ms) | mixed step (ms) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        med = r["median_gap_before_s"]
+        budget = f"{r['budget']:,}" + ("" if r["budget_given"] else " (default)")
+        lines.append(f"| {r['chunked']} | {budget} | {r['max_gap_during_s'] / med:.1f}x | "
+                     f"{r['p99_gap_during_s'] / med:.1f}x | {r['prefill_steps']} ({r['steps_every_stream_served']}) "
+                     f"| {r['ttft_s']:.2f} | {r['ttft_alone_s']:.2f} | {r['ttft_s'] / r['ttft_alone_s']:.2f} "
+                     f"| {_ms(r['decode_step_s'])} | {_ms(r['mixed_step_s'])} |")
+    return "\n".join(lines)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     ap.add_argument("--paths", nargs="+", default=["before", "after"], choices=list(PATHS))
     ap.add_argument("--max-planned-gb", type=float, default=8.0,
                     help="run a step only when XLA plans at most this much scratch for it (a shared machine)")
+    ap.add_argument("--stutter", action="store_true", help="streams decoding while a long prompt arrives (see above)")
+    ap.add_argument("--prompt-len", type=int, default=4000, help="--stutter: the long prompt's tokens")
+    ap.add_argument("--streams", type=int, default=16, help="--stutter: requests decoding when it arrives")
+    ap.add_argument("--budgets", type=int, nargs="*", default=[64, 128, 256, 512, 1024],
+                    help="--stutter: max_num_batched_tokens values to run with chunked prefill on")
+    ap.add_argument("--chunked", nargs="*", default=["off", "default"], choices=["off", "default"],
+                    help="--stutter: also run chunked prefill off, and on with the engine's default budget")
+    ap.add_argument("--before-steps", type=int, default=20)
+    ap.add_argument("--after-steps", type=int, default=5)
     ap.add_argument("--child", nargs=2, metavar=("PATH", "N"), help=argparse.SUPPRESS)
     ap.add_argument("--model", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
         print(json.dumps(child(a.model, a.child[0], int(a.child[1]), a.max_planned_gb)))
+        return
+    if a.stutter:
+        print(stutter_report(stutter(a), a))
         return
     from paged_jax.models.tiny import make_tiny_model
 

@@ -3,6 +3,7 @@
     python experiments/bench_throughput.py --backend paged-jax --dataset sharegpt-like --num-prompts 128
     python experiments/bench_throughput.py --backend hf --hf-max-batch-size 32 --input-len 64 --output-len 64
     python experiments/bench_throughput.py --compare          # the side-by-side table of the README
+    python experiments/bench_throughput.py --dataset sharegpt-like --compare-chunked   # chunked prefill off vs default
 
 ``--compare`` runs, in one process on one machine, the same requests through: Hugging Face
 ``generate`` one request at a time (on the first ``--hf-sequential-prompts`` requests: its rate
@@ -89,6 +90,9 @@ def main(argv=None):
     ap.add_argument("--compare", action="store_true", help="HF one at a time, HF static batches, Orca(Max), ours")
     ap.add_argument("--hf-sequential-prompts", type=int, default=16)
     ap.add_argument("--hf-batch-sizes", type=lambda s: [int(x) for x in s.split(",")], default=[16, 32, 64, 128])
+    ap.add_argument("--compare-chunked", action="store_true",
+                    help="paged-jax with chunked prefill off (the old default), then with the engine's default, "
+                         "the same requests run twice on each engine, one process")
     ap.add_argument("--output-json", default=None)
     a = ap.parse_args(argv)
     if a.compare and a.dataset is None and a.input_len is None:
@@ -104,6 +108,25 @@ def main(argv=None):
     requests = make_requests(a, model_config_from_hf(_json.loads((Path(model) / "config.json").read_text())).vocab_size)
     if a.compare:
         out = compare(a, model, requests)
+    elif a.compare_chunked:
+        out = {}
+        print(describe_requests(requests))
+        for chunked in ("off", "default"):
+            llm = make_llm(a, model, max(max_len(requests), a.max_total_len if a.dataset else 0),
+                           warm_up=not a.no_warm_up, chunked=chunked)
+            cfg = llm.llm_engine.scheduler_config
+            for run in ("first", "second"):  # the second run compiles nothing (shapes warm-up missed included)
+                res = run_paged_jax(llm, a, requests)
+                out[chunked, run] = summarize(requests, res, a.n)
+                print(format_summary(f"paged-jax, chunked prefill {chunked} ({'on' if cfg.enable_chunked_prefill else 'off'}"
+                                     f", max_num_batched_tokens {cfg.max_num_batched_tokens}), {run} run",
+                                     out[chunked, run]))
+                print(report_engine(res), flush=True)
+            del llm
+        for run in ("first", "second"):
+            print(f"default over off, {run} runs: "
+                  f"{out['default', run]['tokens_per_s'] / out['off', run]['tokens_per_s']:.2f}x tokens/s")
+        out = {f"{c} {r}": v for (c, r), v in out.items()}
     elif a.backend == "hf":
         hf = load_hf(model)
         out = summarize(requests, run_hf(hf, a, requests, a.hf_max_batch_size or 1), a.n)

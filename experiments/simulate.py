@@ -83,7 +83,7 @@ def build_engine(setup: Setup, system: str, block_size: int = 16, preemption_mod
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; choose one of {sorted(SYSTEMS)}")
     config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, preemption_mode,
-                             policy=SYSTEMS[system])
+                             enable_chunked_prefill=False, policy=SYSTEMS[system])  # the paper: whole prompts
     bm = BlockManager(block_size, setup.num_gpu_blocks(block_size), setup.num_cpu_blocks(block_size))
     clock = SimClock()
     executor = SimulatedExecutor(CostModel(setup, block_size, paged=system == "vllm", params=cost_params), clock,

@@ -28,7 +28,8 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--max-model-len", type=int, default=None)
     p.add_argument("--preemption-mode", choices=["recompute", "swap"], default=None)
-    p.add_argument("--enable-chunked-prefill", action="store_true")
+    p.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True,
+                   help="split long prompts into chunks beside the running decodes (default; --no-enable-chunked-prefill: a prompt runs whole in one step, the paper's mode)")
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--attention-backend", default="auto")
     p.add_argument("--seed", type=int, default=0)

@@ -32,7 +32,7 @@ class EngineArgs:
     max_num_batched_tokens: Optional[int] = None
     max_model_len: Optional[int] = None
     preemption_mode: Optional[str] = None
-    enable_chunked_prefill: bool = False
+    enable_chunked_prefill: bool = True  # False: the paper's mode, a prompt runs whole in one step
     enable_prefix_caching: bool = False
     # False: samples and beams get copies instead of shared blocks (a baseline for measuring sharing).
     enable_block_sharing: bool = True
@@ -71,6 +71,23 @@ class EngineArgs:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
 
 
+# The smallest default token budget with chunked prefill (see default_chunked_budget).
+MIN_CHUNKED_BUDGET = 256
+
+
+def default_chunked_budget(max_num_seqs: int) -> int:
+    """The token budget of a step with chunked prefill when none is given: ``max(max_num_seqs, 256)``.
+
+    A step never computes more tokens than a full batch of decodes (``max_num_seqs``), and every
+    running sequence's decode token always fits (decodes are served first): so what a stream waits
+    while a prompt prefills beside it is about the step time of a full decode batch. The floor of 256 is
+    measured (``python experiments/bench_long_prompt.py --stutter``, README "Long prompts"): with 16
+    streams decoding and a 4,000-token prompt arriving, budgets of 64 and 128 cut the streams' longest
+    gap further but took 1.3-1.9x the prompt's time to first token alone; 256 kept it near 1.1x, and
+    512 or 1,024 left about 3x longer gaps than 256."""
+    return max(max_num_seqs, MIN_CHUNKED_BUDGET)
+
+
 @dataclass
 class EngineParts:
     model_config: Any  # paged_jax.models.config.ModelConfig
@@ -105,7 +122,8 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     if max_model_len > mc.max_position_embeddings:
         raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
                          f"{mc.max_position_embeddings}")
-    budget = args.max_num_batched_tokens or (512 if args.enable_chunked_prefill else max(max_model_len, 2048))
+    budget = args.max_num_batched_tokens or (default_chunked_budget(args.max_num_seqs) if args.enable_chunked_prefill
+                                             else max(max_model_len, 2048))
     scheduler_config = SchedulerConfig(args.max_num_seqs, budget, max_model_len, args.preemption_mode,
                                        args.enable_chunked_prefill)
     bs = args.block_size

@@ -24,7 +24,7 @@ class LLM:
                  block_size: int = 16, num_kv_blocks: Optional[int] = None, swap_space: float = 4,
                  max_num_seqs: int = 256, max_num_batched_tokens: Optional[int] = None,
                  max_model_len: Optional[int] = None, preemption_mode: Optional[str] = None,
-                 enable_chunked_prefill: bool = False, enable_prefix_caching: bool = False,
+                 enable_chunked_prefill: bool = True, enable_prefix_caching: bool = False,
                  attention_backend: str = "auto", seed: int = 0, tensor_parallel_size: int = 1,
                  warm_up: bool = False, **kwargs):
         args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, block_size=block_size,

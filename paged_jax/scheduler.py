@@ -171,7 +171,14 @@ class Scheduler:
         """Serve the running requests in the policy's order. When one's next tokens need
         blocks that are not free, preempt the policy's victims among those not served
         yet, or, when none is left, the request itself."""
-        queue = deque(self.policy.order_running(self.running))
+        order = self.policy.order_running(self.running)
+        if self.config.enable_chunked_prefill:
+            # Decode first: requests whose sequences each need one token are served before those
+            # still prefilling (a prompt chunk takes what budget the decodes leave), so a long
+            # prompt never holds back a token of a running stream. The policy's order is kept
+            # within each kind; victims are still chosen among those not served yet (prefills last).
+            order = ([g for g in order if not _prefilling(g)] + [g for g in order if _prefilling(g)])
+        queue = deque(order)
         self.running = []
         while queue:
             group = queue.popleft()
@@ -362,6 +369,12 @@ class Scheduler:
         seqs = group.get_seqs(SequenceStatus.RUNNING)
         return (len(seqs) == 1 or group.beam is None
                 or sum(s.get_len() for s in seqs) <= self.config.max_num_batched_tokens)
+
+
+def _prefilling(group: SequenceGroup) -> bool:
+    """Whether a running sequence of ``group`` has more than one token to compute (a prompt, or a
+    recomputed sequence, not yet all in the cache)."""
+    return any(s.num_uncomputed_tokens > 1 for s in group.get_seqs(SequenceStatus.RUNNING))
 
 
 def _take(queue: deque[SequenceGroup], group: SequenceGroup, hook: str) -> SequenceGroup:

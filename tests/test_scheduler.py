@@ -81,6 +81,36 @@ def test_chunked_prefill_keeps_decodes_running():
     assert steps_with_long_prefill >= 100 // 16
 
 
+def test_chunked_prefill_serves_decodes_first_whatever_the_policy_order():
+    """Decode first: even when the policy orders a long prompt ahead of the running streams
+    (here newest first), the prompt's chunk only gets the budget the decodes leave, and every
+    decoding stream gets its token in every step of the long prefill."""
+    from paged_jax.policy import FCFS
+
+    class NewestFirst(FCFS):
+        def order_running(self, running):
+            return list(reversed(running))
+
+    s = make(max_num_batched_tokens=16, enable_chunked_prefill=True, max_model_len=200, num_blocks=128,
+             policy=NewestFirst())
+    for i in range(6):
+        s.add_seq_group(group(f"stream{i}", 2, max_tokens=60))
+    advance(s, s.schedule())
+    s.add_seq_group(group("long", 150, max_tokens=2))
+    long_steps = 0
+    while s.has_unfinished_seqs():
+        out = s.schedule()
+        assert out.num_batched_tokens <= 16
+        rows = {r.group.request_id: r for r in out.scheduled}
+        if "long" in rows and rows["long"].num_tokens > 1:
+            long_steps += 1
+            streams = [g.request_id for g in s.running if g.request_id != "long"]
+            assert len(streams) == 6 and all(rows[rid].num_tokens == 1 for rid in streams), rows
+            assert rows["long"].num_tokens == 16 - 6  # the chunk takes what the decodes leave
+        advance(s, out)
+    assert long_steps >= 150 // 10
+
+
 def test_preempts_latest_arrival_first_and_swapped_return_before_new():
     # 10 usable blocks of 4 tokens; three requests grow until they do not fit.
     s = make(num_blocks=11, block_size=4, preemption_mode="swap")
