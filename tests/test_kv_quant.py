@@ -125,7 +125,7 @@ def test_an_8bit_cache_survives_swap_recompute_and_prefix_sharing():
     assert first == want and again == want
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
+@pytest.mark.parametrize("kind", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
 def test_8bit_cache_keeps_held_out_perplexity_within_one_percent(kind):
     ratio = held_out_perplexity_ratio(kv_cache_dtype=kind)
     assert ratio != 1 and abs(ratio - 1) < 0.01, ratio

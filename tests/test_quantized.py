@@ -305,7 +305,7 @@ def held_out_perplexity_ratio(**engine_options) -> float:
     return math.exp(q_nll / q_n) / math.exp(nll / n)
 
 
-@pytest.mark.parametrize("method", ["int8", "fp8"])
+@pytest.mark.parametrize("method", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
 def test_on_load_quantization_keeps_held_out_perplexity_within_one_percent(method):
     """fp8's three mantissa bits can change a greedy choice, so perplexity is the measure for both."""
     ratio = held_out_perplexity_ratio(quantization=method)
