@@ -61,7 +61,7 @@ def child(model: str, path: str, n: int, max_planned_gb: float) -> dict:
     from paged_jax.attention import REFERENCE, NativeBackend, ReferenceBackend, register_backend
     from paged_jax.engine import LLMEngine
     from paged_jax.engine_args import EngineArgs
-    from paged_jax.executor.batch import Batch, SeqChunk, prepare_part
+    from paged_jax.executor.batch import Batch, SeqChunk, prepare_batch
 
     backend = "auto"
     if path == "before":
@@ -83,7 +83,7 @@ def child(model: str, path: str, n: int, max_planned_gb: float) -> dict:
     runner = engine.runner
     used = engine.get_stats()["attention_backend"]
     # Compile the prompt's step ahead of time, as warm_up does, to read XLA's plan before running it.
-    key = prepare_part([SeqChunk(list(range(n)), 0, list(range(1, blocks + 1)))], n, BLOCK_SIZE).shape_key
+    key = prepare_batch([SeqChunk(list(range(n)), 0, list(range(1, blocks + 1)))], BLOCK_SIZE).shape_key
     t0 = time.perf_counter()
     compiled = runner._step.lower(runner.params, runner.kv_caches, Batch.abstract(key), False).compile()
     compile_s = time.perf_counter() - t0

@@ -49,8 +49,7 @@ def _meta(tables, context_lens, query_lens, slot_mapping):
     return AttentionMetadata(block_tables=jnp.asarray(tables, jnp.int32),
                              context_lens=jnp.asarray(context_lens, jnp.int32),
                              query_lens=jnp.asarray(query_lens, jnp.int32),
-                             slot_mapping=jnp.asarray(slot_mapping, jnp.int32), token_seq=None, token_qidx=None,
-                             max_query_len=int(max(query_lens)))
+                             slot_mapping=jnp.asarray(slot_mapping, jnp.int32), token_seq=None, token_qidx=None)
 
 
 @pytest.mark.parametrize("kind", ["int8", "fp8"])

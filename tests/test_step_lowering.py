@@ -21,7 +21,7 @@ from paged_jax.executor.model_runner import make_step
 from paged_jax.models import FAMILIES
 
 BLOCK_SIZE = 16
-SHAPES = {"decode": (8, 8, 4, 1), "prefill": (32, 2, 4, 16)}  # Batch.shape_key: (T, S, B, Q)
+SHAPES = {"decode": (8, 8, 4, 0), "prefill": (32, 32, 4, 4)}  # Batch.shape_key: (T, S, B, query tiles)
 
 
 @pytest.fixture(scope="module")
@@ -61,8 +61,11 @@ def test_step_lowers_for_cuda_with_the_pallas_backend(family, dtype, tiny_dirs):
     variant = dataclasses.replace(config, sliding_window=8, attn_logit_softcap=30.0)
     for cfg, kind in itertools.product((config, variant), SHAPES):
         text = lower_step(cfg, params, kv_caches, kind)
-        kernel = "paged_prefill_attention" if kind == "prefill" else "paged_decode_attention"
-        # Every layer calls the step's kernel, a Triton call; no CPU kernel. (Layers with the same spec share
-        # one lowered function; layers whose specs differ, e.g. Gemma 2's windowed and full ones, get one each.)
-        assert len(re.findall(rf"call @{kernel}(_\d+)?\(", text)) == config.num_layers, (family, kind)
+        kernels = ["paged_decode_attention"] + (["paged_prefill_attention"] if kind == "prefill" else [])
+        # Every layer calls the step's kernels (a step with prefill tokens: the decode kernel on each
+        # sequence's last token, the prefill kernel on the query tiles), Triton calls; no CPU kernel.
+        # (Layers with the same spec share one lowered function; layers whose specs differ, e.g.
+        # Gemma 2's windowed and full ones, get one each.)
+        for kernel in kernels:
+            assert len(re.findall(rf"call @{kernel}(_\d+)?\(", text)) == config.num_layers, (family, kind, kernel)
         assert "__gpu$xla.gpu.triton" in text and "paged_jax_paged_decode" not in text, (family, kind)

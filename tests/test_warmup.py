@@ -7,13 +7,13 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from paged_jax.executor.batch import SeqChunk, prepare_part, split_chunks, warmup_shapes
+from paged_jax.executor.batch import SeqChunk, prepare_batch, split_steps, warmup_shapes
 
 CONFIG = dict(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=32, block_size=8)
 
 
 def _random_step(rng, max_num_seqs, max_num_batched_tokens, max_model_len, block_size, reserved=False):
-    """A step the scheduler could emit: decode rows, then whole prompts within the token budget.
+    """A step the scheduler could emit: decode rows, then prompts or chunks of prompts within the token budget.
     ``reserved``: every table holds ``max_model_len`` tokens' blocks (the ``Orca("max")`` policy)."""
     chunks, budget = [], max_num_batched_tokens
 
@@ -24,11 +24,15 @@ def _random_step(rng, max_num_seqs, max_num_batched_tokens, max_model_len, block
         ctx = int(rng.integers(2, max_model_len + 1))
         chunks.append(SeqChunk([1], ctx - 1, table(ctx)))
         budget -= 1
+    if chunks and rng.random() < 0.3:  # a decode step
+        return chunks
     top = np.log(min(max_num_batched_tokens, max_model_len) + 1)
     lo, hi = sorted(rng.uniform(0, top, 2))  # prompt lengths of this step: log-uniform in a random range
     while len(chunks) < max_num_seqs and budget > 0 and rng.random() < 0.95:
         q = min(budget, max_model_len, max(1, int(np.exp(rng.uniform(lo, hi)))))
-        chunks.append(SeqChunk([1] * q, 0, table(q)))
+        # A whole prompt, or a chunk after a cached prefix (chunked prefill, prefix caching).
+        start = 0 if rng.random() < 0.5 else int(rng.integers(0, max_model_len - q + 1))
+        chunks.append(SeqChunk([1] * q, start, table(start + q)))
         budget -= q
     return chunks
 
@@ -44,22 +48,14 @@ def test_warmup_shapes_cover_every_batch(cfg):
         if not chunks:
             continue
         rows = []
-        for q, part in split_chunks(chunks):
-            batch = prepare_part([chunks[i] for i in part], q, cfg[3])
-            assert batch.shape_key in shapes, (batch.shape_key, q, [len(chunks[i].token_ids) for i in part])
+        for part in split_steps(chunks):
+            batch = prepare_batch([chunks[i] for i in part], cfg[3])
+            assert batch.shape_key in shapes, (batch.shape_key, [len(chunks[i].token_ids) for i in part])
             seen.add(batch.shape_key)
             rows += part
-        assert sorted(rows) == list(range(len(chunks)))
+        assert rows == list(range(len(chunks)))
     # The enumeration is not much wider than what random steps reach.
-    assert len(seen) >= 0.6 * len(shapes)
-
-
-def test_split_keeps_decode_rows_apart():
-    chunks = [SeqChunk([1], 5, [1]), SeqChunk([1] * 7, 0, [2]), SeqChunk([1] * 3, 0, [3]), SeqChunk([2], 0, [4])]
-    assert split_chunks(chunks) == [(8, [1]), (4, [2]), (1, [0, 3])]
-    assert split_chunks(chunks, one_batch=True) == [(0, [0, 1, 2, 3])]
-    b = prepare_part([chunks[1]], 8, 8)
-    assert b.shape_key == (8, 1, 4, 8)
+    assert len(seen) >= 0.5 * len(shapes)
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +105,7 @@ def test_no_compilation_after_warm_up(gpt2_dir):
 
 def test_abstract_batch_is_the_real_batch_without_values():
     """Warm-up compiles against ``Batch.abstract(shape_key)``: the same pytree (treedef, static
-    max_query_len) with each leaf's shape and dtype, for every batch prepare_part makes."""
+    tile_size) with each leaf's shape and dtype, for every batch prepare_batch makes."""
     import jax
 
     from paged_jax.executor.batch import Batch
@@ -117,8 +113,8 @@ def test_abstract_batch_is_the_real_batch_without_values():
     rng = np.random.default_rng(1)
     for _ in range(50):
         chunks = _random_step(rng, **CONFIG)
-        for q, part in split_chunks(chunks):
-            batch = prepare_part([chunks[i] for i in part], q, CONFIG["block_size"])
+        for part in split_steps(chunks):
+            batch = prepare_batch([chunks[i] for i in part], CONFIG["block_size"])
             abstract = Batch.abstract(batch.shape_key)
             assert jax.tree.structure(abstract) == jax.tree.structure(batch)
             assert [(x.shape, x.dtype) for x in jax.tree.leaves(abstract)] == \

@@ -3,8 +3,10 @@
 A model layer calls ``attn(q, k, v, kv_cache)`` with ``attn`` =
 :func:`paged_attention_layer` bound to the step's metadata, the layer's
 :class:`AttentionSpec` (from the model config) and the engine's backend object. The layer
-writes the step's K/V into the paged cache and hands the backend a decode batch
-(``backend.decode``, one query per sequence) or a prefill batch (``backend.prefill``).
+writes the step's K/V into the paged cache and hands the backend the step's decode rows
+(``backend.decode``, one query per sequence) and, when some sequences have several new
+tokens, their query tiles (``backend.prefill``): one ragged, token-flat step for decodes and
+prefill chunks together.
 """
 
 from __future__ import annotations
@@ -36,21 +38,26 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
 def paged_attention_layer(q, k, v, kv_cache, *, meta: AttentionMetadata, spec: AttentionSpec, backend):
     """Write this step's K/V into the paged cache, then attend through the block tables.
 
-    q: [T, H, D]; k, v: [T, KVH, D] (token-flat). Returns ([T, H, D], (k_cache, v_cache)).
-    Writes come first, so a sequence sees its own new tokens (and, with prefix
-    sharing, blocks another sequence fills in the same step). The dispatch is static:
-    a batch whose widest query is one token (``max_query_len == 1``) is a decode batch.
+    q: [T, H, D]; k, v: [T, KVH, D] (token-flat, ragged: see :mod:`~paged_jax.attention.metadata`).
+    Returns ([T, H, D], (k_cache, v_cache)). Writes come first, so a sequence sees its own new
+    tokens (and, with prefix sharing, blocks another sequence fills in the same step).
+
+    Every sequence's last new token goes through ``backend.decode`` (one query per row: a
+    decode step is only this); the tokens of sequences with several new ones also go, in query
+    tiles, through ``backend.prefill``, and their outputs are taken from there. Whether a step
+    has tiles is static (their number is part of the step's shape).
     """
     k_cache, v_cache = write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
-    S = meta.block_tables.shape[0]
     T, H, D = q.shape
-    if meta.max_query_len == 1:
-        q_rows = jnp.zeros((S, H, D), q.dtype).at[meta.token_seq].set(q, mode="drop")
-        out = backend.decode(q_rows, k_cache, v_cache, meta, spec)
-        return out.at[meta.token_seq].get(mode="fill", fill_value=0), (k_cache, v_cache)
-    q_pad = jnp.zeros((S, meta.max_query_len, H, D), q.dtype).at[meta.token_seq, meta.token_qidx].set(q, mode="drop")
-    out = backend.prefill(q_pad, k_cache, v_cache, meta, spec)
-    out = out.at[meta.token_seq, meta.token_qidx].get(mode="fill", fill_value=0)
+    # Padded rows' last_token is 0: their query is any token's, and their output is never read.
+    out = backend.decode(q[meta.last_token], k_cache, v_cache, meta, spec)
+    out = out.at[meta.token_seq].get(mode="fill", fill_value=0)
+    if meta.num_tiles:
+        N, Qt = meta.num_tiles, meta.tile_size
+        q_tiles = jnp.zeros((N, Qt, H, D), q.dtype).at[meta.token_tile, meta.token_tile_pos].set(q, mode="drop")
+        tiled = backend.prefill(q_tiles, k_cache, v_cache, meta.tiles(), spec)
+        tiled = tiled.at[meta.token_tile, meta.token_tile_pos].get(mode="fill", fill_value=0)
+        out = jnp.where((meta.token_tile < N)[:, None, None], tiled, out)
     return out, (k_cache, v_cache)
 
 

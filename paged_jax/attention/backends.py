@@ -22,6 +22,7 @@ class with the three methods) and a :func:`register_backend` call
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterable, Optional
 
 import jax
@@ -140,8 +141,9 @@ class ReferenceBackend:
         hooks = self._hooks(spec)
         if hooks["score_mod"] is None and hooks["mask_mod"] is None:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, spec.scale)
-        # Padded rows have query_lens 0; their output is unspecified, so any query position will do.
-        return self.prefill(q[:, None], k_cache, v_cache, meta, spec)[:, 0]
+        # One query per row, the newest (padded rows have no query: their output is unspecified).
+        one = dataclasses.replace(meta, query_lens=jnp.minimum(meta.query_lens, 1))
+        return self.prefill(q[:, None], k_cache, v_cache, one, spec)[:, 0]
 
 
 class NativeBackend:

@@ -50,8 +50,34 @@ def blockwise_prefill_attention(q, k_cache, v_cache, block_tables, context_lens,
     at position ``p`` sees only ``p - window + 1 .. p`` (and chunks wholly before the window are
     skipped; pass it here rather than as a ``mask_mod`` to get the skip). ``q_chunk``: queries
     per tile; ``kv_chunk``: K/V tokens per loop step (rounded down to whole pages, at least one).
+    Rows shorter than ``q_chunk`` (query tiles) go in groups of about ``q_chunk`` queries.
     """
     q, k_cache, v_cache = jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache)
+    block_tables = jnp.asarray(block_tables, jnp.int32)
+    context_lens = jnp.asarray(context_lens, jnp.int32)
+    query_lens = jnp.asarray(query_lens, jnp.int32)
+    S, Q = q.shape[:2]
+    g = max(1, min(S, q_chunk // max(Q, 1)))  # rows per group: about q_chunk queries
+    if g == 1 or g >= S:
+        return _blockwise(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, score_mod, mask_mod,
+                          sliding_window, q_chunk, kv_chunk)
+    # Many short rows (the query tiles of a ragged step): a group of rows at a time, each group's
+    # K/V walk stopping at its own causal bound (consecutive tiles of one sequence have about the
+    # same), rather than every row walking to the batch's longest.
+    n = -(-S // g)
+
+    def rows(x):
+        x = jnp.pad(x, [(0, n * g - S)] + [(0, 0)] * (x.ndim - 1))  # padded rows: no queries, no keys
+        return x.reshape(n, g, *x.shape[1:])
+
+    out = lax.map(lambda a: _blockwise(a[0], k_cache, v_cache, a[1], a[2], a[3], scale, score_mod, mask_mod,
+                                       sliding_window, q_chunk, kv_chunk),
+                  (rows(q), rows(block_tables), rows(context_lens), rows(query_lens)))
+    return out.reshape(n * g, *out.shape[2:])[:S]
+
+
+def _blockwise(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, score_mod, mask_mod,
+               sliding_window, q_chunk, kv_chunk):
     S, Q, H, D = q.shape
     _, block_size, KVH, _ = k_cache.shape
     G = H // KVH
@@ -62,9 +88,7 @@ def blockwise_prefill_attention(q, k_cache, v_cache, block_tables, context_lens,
     B = block_tables.shape[1]
     nkv = -(-B // ppc)
     # Pad the tables with the null block so every chunk's page ids are in bounds (those slots are masked).
-    tables = jnp.pad(jnp.asarray(block_tables, jnp.int32), ((0, 0), (0, nkv * ppc - B)))
-    context_lens = jnp.asarray(context_lens, jnp.int32)
-    query_lens = jnp.asarray(query_lens, jnp.int32)
+    tables = jnp.pad(block_tables, ((0, 0), (0, nkv * ppc - B)))
     start = context_lens - query_lens  # position of each sequence's first new query
     scale = jnp.asarray(scale, jnp.float32)
 

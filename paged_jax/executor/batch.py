@@ -2,8 +2,9 @@
 
 Each running sequence contributes a *chunk*: its new tokens this step (a whole
 prompt, a prefill chunk, or one decode token), the position of the first of
-them, and its block table. ``prepare_batch`` turns the chunks into a :class:`Batch`,
-the one pytree the jitted step takes.
+them, and its block table. ``prepare_batch`` turns a step's chunks into one ragged
+:class:`Batch` (decodes and prefill chunks together, no sequence padded to another's
+length), the one pytree the jitted step takes.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 import jax
 import numpy as np
 
-from paged_jax.attention.metadata import AttentionMetadata, array_field
+from paged_jax.attention.metadata import TILE_SIZE, AttentionMetadata, array_field
 from paged_jax.memory.block_allocator import NULL_BLOCK  # padded rows read it and padded tokens write it
 from paged_jax.utils import pow2_bucket as bucket
 
@@ -30,26 +31,30 @@ class SeqChunk:
 @dataclass(frozen=True, kw_only=True)
 class Batch(AttentionMetadata):
     """One step's arrays: the attention metadata (this is its subclass, so attention sees the
-    batch itself) plus the model's inputs. A pytree whose static part is ``max_query_len``;
+    batch itself) plus the model's inputs. A pytree whose static part is ``tile_size``;
     with the array shapes that make the bucket, :attr:`shape_key`."""
 
     input_ids: jax.Array = array_field("T")
     positions: jax.Array = array_field("T")
-    logits_indices: jax.Array = array_field("S")  # flat index of each sequence's last token
+
+    @property
+    def logits_indices(self):
+        """Flat index of each sequence's last token: the rows whose logits are sampled."""
+        return self.last_token
 
     @property
     def shape_key(self) -> tuple[int, int, int, int]:
-        """(tokens T, sequences S, blocks per table B, max_query_len Q): what a step compiles for."""
-        return (self.input_ids.shape[0], self.block_tables.shape[0], self.block_tables.shape[1], self.max_query_len)
+        """(tokens T, sequences S, blocks per table B, query tiles N): what a step compiles for."""
+        return (self.input_ids.shape[0], self.block_tables.shape[0], self.block_tables.shape[1],
+                self.tile_seq.shape[0])
 
     @classmethod
     def abstract(cls, shape_key: tuple[int, int, int, int]) -> "Batch":
         """A batch of ``jax.ShapeDtypeStruct`` leaves for ``shape_key``, to compile against."""
-        T, S, B, Q = shape_key
-        sizes = {"T": T, "S": S, "B": B}
-        return cls(max_query_len=Q, **{f.name: jax.ShapeDtypeStruct(tuple(sizes[d] for d in f.metadata["dims"]),
-                                                                    np.int32)
-                                       for f in dataclasses.fields(cls) if "dims" in f.metadata})
+        T, S, B, N = shape_key
+        sizes = {"T": T, "S": S, "B": B, "N": N}
+        return cls(**{f.name: jax.ShapeDtypeStruct(tuple(sizes[d] for d in f.metadata["dims"]), np.int32)
+                      for f in dataclasses.fields(cls) if "dims" in f.metadata})
 
     # Host-side counts (numpy leaves only): every real sequence has at least one new token.
     @property
@@ -63,30 +68,79 @@ class Batch(AttentionMetadata):
         return int(np.sum(self.query_lens))
 
 
-def prepare_batch(chunks: list[SeqChunk], block_size: int, min_tokens: int = 8, min_seqs: int = 1,
-                  min_blocks: int = 4) -> Batch:
-    """Pad ``chunks`` into bucketed arrays. Token, sequence, block-table width and
-    query-length dimensions are each rounded up to a power of two."""
+def num_tiles(query_len: int, tile_size: int = TILE_SIZE) -> int:
+    """Query tiles of a sequence with ``query_len`` new tokens (a decode has none)."""
+    return 0 if query_len <= 1 else -(-query_len // tile_size)
+
+
+def tile_capacity(num_tokens_bucket: int, tile_size: int = TILE_SIZE) -> int:
+    """Query tiles a step of ``num_tokens_bucket`` tokens has room for: twice what its tokens fill
+    (so up to that many sequences may each leave a tile part empty), at least 4. Tied to the token
+    bucket so that a step's shape has no dimension of its own for tiles."""
+    return max(4, 2 * num_tokens_bucket // tile_size)
+
+
+def step_buckets(num_tokens: int, num_seqs: int, min_tokens: int = 8) -> tuple[int, int]:
+    """(T, S) buckets of a step: a decode step (every sequence one token) pads both to the
+    sequence bucket; a step with prefill tokens has as many sequence rows as token rows (one
+    bucket, ``T = S``, as a ragged batch can hold one sequence per token)."""
+    if num_tokens == num_seqs:
+        s = bucket(num_seqs)
+        return bucket(num_seqs, min_tokens), s
+    t = bucket(num_tokens, min_tokens)
+    return t, t
+
+
+def split_steps(chunks: list[SeqChunk], tile_size: int = TILE_SIZE, min_tokens: int = 8) -> list[list[int]]:
+    """Group a step's chunks into as few batches as possible, in order: one, unless its
+    prefilling sequences need more query tiles than :func:`tile_capacity` gives its token
+    bucket (many short prompts at once); then consecutive runs of rows that each fit."""
+    parts, rows, tokens, tiles = [], [], 0, 0
+    for i, c in enumerate(chunks):
+        n = len(c.token_ids)
+        t, nt = tokens + n, tiles + num_tiles(n, tile_size)
+        if rows and nt > tile_capacity(bucket(t, min_tokens), tile_size):
+            parts.append(rows)
+            rows, t, nt = [], n, num_tiles(n, tile_size)
+        rows.append(i)
+        tokens, tiles = t, nt
+    return parts + [rows]
+
+
+def prepare_batch(chunks: list[SeqChunk], block_size: int, min_tokens: int = 8, min_blocks: int = 4,
+                  tile_size: int = TILE_SIZE) -> Batch:
+    """Pad ``chunks`` into one ragged, token-flat batch. The token, sequence and block-table
+    dimensions are each rounded up to a power of two (:func:`step_buckets`); the query tiles
+    are :func:`tile_capacity` of the token bucket, or none in a decode step."""
     S = len(chunks)
     T = sum(len(c.token_ids) for c in chunks)
-    max_q = max(len(c.token_ids) for c in chunks)
     # Only the blocks holding the tokens so far: a table reserved further ahead (the Orca policies)
     # would widen the step's shape and what attention reads, for blocks it never looks at.
     max_b = max(min(len(c.block_table), -(-(c.start_pos + len(c.token_ids)) // block_size)) for c in chunks)
-    Tp, Sp, Bp = bucket(T, min_tokens), bucket(S, min_seqs), bucket(max_b, min_blocks)
-    Qp = bucket(max_q)
+    Tp, Sp = step_buckets(T, S, min_tokens)
+    Bp = bucket(max_b, min_blocks)
+    need = sum(num_tiles(len(c.token_ids), tile_size) for c in chunks)
+    Np = tile_capacity(Tp, tile_size) if need else 0
+    if need > Np:
+        raise ValueError(f"{need} query tiles do not fit a step of {Tp} tokens ({Np}); split the chunks "
+                         "with split_steps")
 
     input_ids = np.zeros(Tp, np.int32)
     positions = np.zeros(Tp, np.int32)
     slot_mapping = np.full(Tp, NULL_BLOCK * block_size, np.int32)
     token_seq = np.full(Tp, Sp, np.int32)  # out of range: padding is dropped
     token_qidx = np.zeros(Tp, np.int32)
+    token_tile = np.full(Tp, Np, np.int32)  # out of range: not in a tile
+    token_tile_pos = np.zeros(Tp, np.int32)
     block_tables = np.full((Sp, Bp), NULL_BLOCK, np.int32)
     context_lens = np.zeros(Sp, np.int32)
     query_lens = np.zeros(Sp, np.int32)
-    logits_indices = np.zeros(Sp, np.int32)
+    last_token = np.zeros(Sp, np.int32)
+    tile_seq = np.full(Np, Sp, np.int32)
+    tile_context_lens = np.zeros(Np, np.int32)
+    tile_query_lens = np.zeros(Np, np.int32)
 
-    t = 0
+    t = tile = 0
     for s, c in enumerate(chunks):
         n = len(c.token_ids)
         end = c.start_pos + n
@@ -103,65 +157,44 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, min_tokens: int = 8, 
         block_tables[s, :len(table)] = table
         context_lens[s] = end
         query_lens[s] = n
-        logits_indices[s] = t + n - 1
+        last_token[s] = t + n - 1
+        for first in range(0, n, tile_size) if n > 1 else ():
+            q = min(tile_size, n - first)
+            token_tile[t + first:t + first + q] = tile
+            token_tile_pos[t + first:t + first + q] = np.arange(q)
+            tile_seq[tile] = s
+            tile_context_lens[tile] = c.start_pos + first + q
+            tile_query_lens[tile] = q
+            tile += 1
         t += n
     return Batch(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, token_seq=token_seq,
-                 token_qidx=token_qidx, block_tables=block_tables, context_lens=context_lens, query_lens=query_lens,
-                 logits_indices=logits_indices, max_query_len=Qp)
-
-
-def split_chunks(chunks: list[SeqChunk], one_batch: bool = False) -> list[tuple[int, list[int]]]:
-    """Group a step's chunks into batches: ``[(Q, row indices)]``, prompts first.
-
-    Decode rows (one token, ``Q = 1``) form one batch and prompt rows one batch per query-length
-    bucket ``Q``: in a single batch, attention pads every row to the longest query, and the step
-    shapes would be (tokens x rows x Q) instead of (rows x Q). ``one_batch``: all rows together
-    (``Q = 0``, the plain :func:`prepare_batch` buckets)."""
-    parts: dict[int, list[int]] = {}
-    for i, c in enumerate(chunks):
-        parts.setdefault(0 if one_batch else bucket(len(c.token_ids)), []).append(i)
-    return sorted(parts.items(), reverse=True)
-
-
-def prepare_part(chunks: list[SeqChunk], q: int, block_size: int) -> Batch:
-    """:func:`prepare_batch` for one group of :func:`split_chunks`: ``S`` prompt rows of query
-    bucket ``Q > 1`` are padded to ``bucket(S) * Q`` tokens (at least 8)."""
-    return prepare_batch(chunks, block_size, min_tokens=max(8, bucket(len(chunks)) * q))
+                 token_qidx=token_qidx, token_tile=token_tile, token_tile_pos=token_tile_pos,
+                 block_tables=block_tables, context_lens=context_lens, query_lens=query_lens, last_token=last_token,
+                 tile_seq=tile_seq, tile_context_lens=tile_context_lens, tile_query_lens=tile_query_lens,
+                 tile_size=tile_size)
 
 
 def warmup_shapes(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int,
                   min_tokens: int = 8, min_blocks: int = 4) -> list[tuple[int, int, int, int]]:
     """The step shapes (``Batch.shape_key``) a run can reach, for compiling them up front.
 
-    The runner batches decode rows (one token) together and prompt rows by their query-length
-    bucket ``Q`` (see ``ModelRunner.execute``), a batch of ``S`` prompt rows padded to ``S * Q``
-    tokens. So the shapes are: decode, every sequence bucket up to ``max_num_seqs`` times every
-    block-table bucket up to ``max_model_len``; prefill, every (``S``, ``Q``) whose rows fit the
-    token budget, with the block-table width a ``Q``-token prompt needs. Prefix caching and
-    chunked prefill can give prompt rows longer tables than their query: those shapes, and
-    the single batch of a step that asks for prompt logprobs, compile on first use."""
+    Decode steps: every sequence bucket up to ``max_num_seqs`` times every block-table bucket up
+    to ``max_model_len``. Steps with prefill tokens: every token bucket up to the token budget
+    ``max_num_batched_tokens`` (sequences and query tiles follow from it, :func:`step_buckets`,
+    :func:`tile_capacity`) times every block-table bucket. That covers chunked prefill and
+    prefix caching too; only a step asking for prompt logprobs compiles on first use."""
     top_s = bucket(max_num_seqs)
     top_b = bucket(-(-max_model_len // block_size), min_blocks)
+    widths = [b for b in (min_blocks << i for i in range(64)) if b <= top_b]
     shapes = []
     s = 1
     while s <= top_s:
-        b = min_blocks
-        while b <= top_b:
-            shapes.append((bucket(s, min_tokens), s, b, 1))
-            b *= 2
+        t, _ = step_buckets(s, s, min_tokens)
+        shapes += [(t, s, b, 0) for b in widths]
         s *= 2
-    max_q = min(max_model_len, max_num_batched_tokens)
-    q = 2
-    while q <= bucket(max_q):
-        q_lo, q_hi = q // 2 + 1, min(q, max_q)
-        b_lo, b_hi = (bucket(-(-n // block_size), min_blocks) for n in (q_lo, q_hi))
-        s = 1
-        # s rows of this bucket: more than s // 2 of them, each more than q // 2 tokens.
-        while s <= top_s and (s // 2 + 1) * q_lo <= max_num_batched_tokens and s // 2 + 1 <= max_num_seqs:
-            b = b_lo
-            while b <= b_hi:
-                shapes.append((bucket(s * q, min_tokens), s, b, q))
-                b *= 2
-            s *= 2
-        q *= 2
+    t = bucket(2, min_tokens)  # the fewest tokens of a step with a prefill chunk
+    while t <= bucket(max_num_batched_tokens, min_tokens):
+        # The widest table such a step can have: its longest sequence, within max_model_len.
+        shapes += [(t, t, b, tile_capacity(t)) for b in widths]
+        t *= 2
     return shapes

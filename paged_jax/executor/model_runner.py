@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.attention import AUTO, kv_quant, select_backend
-from paged_jax.executor.batch import Batch, SeqChunk, bucket, prepare_part, split_chunks, warmup_shapes
+from paged_jax.executor.batch import Batch, SeqChunk, bucket, prepare_batch, split_steps, warmup_shapes
 from paged_jax.executor.interface import RowSampling, Sample, StepResult, check_sampling
 from paged_jax.memory import cache_ops
 from paged_jax.models import compute_logits, forward
@@ -188,6 +188,14 @@ class ModelRunner:
                                                       num_top=pow2_bucket(p.logprobs) if p.logprobs else 0)
                 jax.block_until_ready(sample(logits, tensors))
             n *= 2
+        # A step with prefill tokens has as many logits rows as tokens (one per possible sequence):
+        # its sampled rows are taken out of them (``_take_rows``), for every bucket of rows sampled.
+        for rows in sorted({t for t, _, _, tiles in shapes if tiles}):
+            logits = jnp.zeros((rows, self.config.vocab_size), jnp.float32)
+            n = 1
+            while n <= min(rows, bucket(max_num_seqs)):
+                jax.block_until_ready(_take_rows(logits, np.zeros(n, np.int32)))
+                n *= 2
         return len(shapes)
 
     # ---- one engine step -----------------------------------------------------
@@ -217,25 +225,24 @@ class ModelRunner:
         chunks = [SeqChunk(r.seq.get_token_ids()[r.start_pos:r.start_pos + r.num_tokens], r.start_pos, r.block_table)
                   for r in out.scheduled]
         want_prompt = [i for i, s in enumerate(sampling) if s.prompt_logprobs is not None]
-        parts = split_chunks(chunks, one_batch=bool(want_prompt))
-        t2 = time.perf_counter()
-        self.timings["prepare"] += t2 - t1
-        for q, part in parts:
+        all_logits = bool(want_prompt)
+        # One ragged batch for the whole step (split only if its prefills need more query tiles
+        # than its token bucket holds: many short prompts at once).
+        for part in split_steps(chunks):
             t1 = time.perf_counter()
-            batch = prepare_part([chunks[i] for i in part], q, self.block_size)
+            batch = prepare_batch([chunks[i] for i in part], self.block_size)
             t2 = time.perf_counter()
             self.timings["prepare"] += t2 - t1
             # Waiting here (sampling would anyway) keeps the device time apart from sampling's.
-            logits = jax.block_until_ready(self.run_batch(batch, all_logits=bool(want_prompt)))
+            logits = jax.block_until_ready(self.run_batch(batch, all_logits=all_logits))
             t3 = time.perf_counter()
             self.timings["device"] += t3 - t2
-            self._sample_part(out, sampling, part, logits, batch, bool(want_prompt), eos_token_id, result)
+            self._sample_part(out, sampling, part, logits, batch, all_logits, eos_token_id, result)
+            for b, i in enumerate(part):
+                if i in want_prompt:
+                    result.prompt_logprobs[i] = self._prompt_logprobs(out.scheduled[i], sampling[i].prompt_logprobs,
+                                                                      logits, batch, b)
             self.timings["sample"] += time.perf_counter() - t3
-        t3 = time.perf_counter()
-        for i in want_prompt:
-            result.prompt_logprobs[i] = self._prompt_logprobs(out.scheduled[i], sampling[i].prompt_logprobs,
-                                                              logits, batch, i)
-        self.timings["sample"] += time.perf_counter() - t3
         return result
 
     def _sample_part(self, out: SchedulerOutput, sampling: Sequence[RowSampling], part: list[int], logits,
