@@ -19,6 +19,10 @@ program writes its unnormalised output, running max and running sum; a few jnp
 ops merge the partitions (flash-decoding / vLLM PagedAttention V2). With
 ``partition_size=None`` there is a single partition (PagedAttention V1).
 
+An 8-bit cache (``kv_cache_dtype="int8" | "fp8"``, kv_quant's layout ``[num_blocks, block_size,
+num_kv_heads, head_dim + 2]``: values, then a float16 scale's bytes) is dequantized in the kernel
+(``load_pages``, ``attend_chunk``); the prefill kernel shares both.
+
 Variants (static arguments): ``logit_soft_cap`` caps the scaled scores with
 ``cap * tanh(s / cap)``; ``sliding_window`` hides keys more than ``window - 1`` positions
 back, and the loop starts at the first chunk holding a visible key.
