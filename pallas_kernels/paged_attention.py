@@ -128,7 +128,6 @@ def attend_chunk(carry, q, k_ref, v_ref, pages, k_pos, visible, length, scale, p
     """
     o, m, l = carry
     chunk, d = k_pos.shape[0], q.shape[1]
-    in_seq = k_pos < length
     k, k_scales = load_pages(k_ref, pages, chunk, d, q.dtype)
     v, v_scales = load_pages(v_ref, pages, chunk, d, q.dtype)
     s = pl.dot(q, k, trans_b=True, precision=precision) * scale  # [R, chunk] f32
@@ -137,6 +136,7 @@ def attend_chunk(carry, q, k_ref, v_ref, pages, k_pos, visible, length, scale, p
     if logit_soft_cap is not None:
         s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
     s = jnp.where(visible, s, _NEG)
+    in_seq = k_pos < length
     v = jnp.where(in_seq[:, None], v, 0)  # a stale Inf/NaN in an unused slot must not reach p @ v
     m_new = jnp.maximum(m, s.max(axis=-1))
     alpha = jnp.exp(m - m_new)

@@ -224,20 +224,24 @@ def test_backends_take_8bit_caches(backend, kind):
     assert select_backend(backend, [spec], kind).name == backend
 
 
-@pytest.mark.parametrize("kind", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
-def test_engine_pallas_interpret_over_an_8bit_cache_matches_reference_greedy(tiny_llama_dir, kind):
-    """Both kernels over the 8-bit cache (chunked prefill: prefill chunks beside decodes) give the
-    reference backend's tokens over the same cache dtype."""
+@pytest.mark.parametrize("backend, kind", [("pallas-interpret", "int8"), ("native", "fp8"),
+                                           pytest.param("pallas-interpret", "fp8", marks=pytest.mark.slow)])
+def test_engine_over_an_8bit_cache_matches_reference_greedy(tiny_llama_dir, backend, kind):
+    """The kernels over the 8-bit cache (chunked prefill: prefill chunks beside decodes; both Pallas
+    kernels, or the native decode) give the reference backend's tokens over the same cache dtype."""
     from paged_jax import LLM, SamplingParams
 
+    if backend == "native" and not native.available():
+        pytest.skip("native kernel not built")
     prompts = [[5, 9, 200, 31, 7, 77, 8, 19, 4, 11, 300, 12, 6], [42], [3, 4, 5, 6, 7, 8, 9]]
     params = SamplingParams(temperature=0, max_tokens=5)
     got = {}
-    for backend in ("reference", "pallas-interpret"):
-        llm = LLM(model=str(tiny_llama_dir), attention_backend=backend, kv_cache_dtype=kind, block_size=4,
+    for name in ("reference", backend):
+        llm = LLM(model=str(tiny_llama_dir), attention_backend=name, kv_cache_dtype=kind, block_size=4,
                   num_kv_blocks=24, enable_chunked_prefill=True, max_num_batched_tokens=8)
         assert llm.llm_engine.runner.kv_caches[0][0].dtype == kv_quant.storage_dtype(kind, "float32")
+        assert llm.llm_engine.runner.attention_backend == name
         outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
-        got[backend] = [o.outputs[0].token_ids for o in outs]
-    assert got["pallas-interpret"] == got["reference"]
+        got[name] = [o.outputs[0].token_ids for o in outs]
+    assert got[backend] == got["reference"]
     assert all(len(t) == 5 for t in got["reference"])
