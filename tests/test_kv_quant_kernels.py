@@ -164,6 +164,23 @@ def test_pallas_kernels_lower_for_cuda_with_an_8bit_cache(kind, dtype):
     assert "__gpu$xla.gpu.triton" in text
 
 
+@pytest.mark.parametrize("kind", KINDS)
+def test_engine_step_lowers_for_cuda_with_pallas_over_an_8bit_cache(tiny_llama_dir, kind):
+    """The runner's whole step (the quantizing cache write, then the kernels) in bfloat16, decode and prefill."""
+    import dataclasses
+
+    from paged_jax.models.loader import load_model
+    from tests.test_step_lowering import BLOCK_SIZE, SHAPES, lower_step
+
+    config, params = load_model(tiny_llama_dir, dtype="bfloat16")
+    config = dataclasses.replace(config, kv_cache_dtype=kind)
+    cache = sds((24, BLOCK_SIZE, config.num_kv_heads, config.head_dim + kv_quant.SCALE_BYTES),
+                kv_quant.storage_dtype(kind, "bfloat16"))
+    for shape in SHAPES:
+        text = lower_step(config, params, [(cache, cache)] * config.num_layers, shape)
+        assert "__gpu$xla.gpu.triton" in text and "paged_jax_paged_decode" not in text, shape
+
+
 def test_pallas_kernels_refuse_an_8bit_cache_without_room_for_the_scale():
     q = jnp.zeros((2, 4, 16), jnp.float32)
     cache = jnp.zeros((4, 8, 2, 16), jnp.int8)  # head_dim bytes only
