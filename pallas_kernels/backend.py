@@ -8,7 +8,8 @@
   for checking the kernels on a CPU, not for speed.
 
 Both honour every :class:`~paged_jax.attention.spec.AttentionSpec` field (scale, sliding
-window, logit soft-cap: arguments of both kernels). ``decode`` runs the decode kernel,
+window, logit soft-cap: arguments of both kernels), over float caches or 8-bit ones
+(``kv_cache_dtype="int8" | "fp8"``, dequantized inside the kernels). ``decode`` runs the decode kernel,
 ``prefill`` the prefill kernel (whose rows with one query are decodes).
 
 This module imports nothing from ``paged_jax.attention`` (that package imports this one to
@@ -22,7 +23,8 @@ import jax
 from pallas_kernels.paged_attention import paged_decode_attention
 from pallas_kernels.prefill_attention import paged_prefill_attention
 
-DTYPES = ("float32", "bfloat16", "float16")
+# The model's dtypes, and the 8-bit KV caches (``kv_cache_dtype``), which both kernels dequantize.
+DTYPES = ("float32", "bfloat16", "float16", "int8", "fp8")
 
 
 def _auto_partition(S: int, H: int, max_context: int, partition_size: int = 512) -> int | None:

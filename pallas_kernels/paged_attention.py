@@ -19,6 +19,10 @@ program writes its unnormalised output, running max and running sum; a few jnp
 ops merge the partitions (flash-decoding / vLLM PagedAttention V2). With
 ``partition_size=None`` there is a single partition (PagedAttention V1).
 
+An 8-bit cache (``kv_cache_dtype="int8" | "fp8"``, kv_quant's layout ``[num_blocks, block_size,
+num_kv_heads, head_dim + 2]``: values, then a float16 scale's bytes) is dequantized in the kernel
+(``load_pages``, ``attend_chunk``); the prefill kernel shares both.
+
 Variants (static arguments): ``logit_soft_cap`` caps the scaled scores with
 ``cap * tanh(s / cap)``; ``sliding_window`` hides keys more than ``window - 1`` positions
 back, and the loop starts at the first chunk holding a visible key.
@@ -52,13 +56,24 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def _kv_quant():
+    # Imported on use: paged_jax.attention imports this package (to register its backends).
+    from paged_jax.attention import kv_quant
+
+    return kv_quant
+
+
 def check_shapes(heads_dim, k_cache, v_cache, interpret: bool) -> None:
     """Raise ValueError naming the bad value: ``heads_dim`` is q's (num_heads, head_dim).
-    The Triton backend needs power-of-two tensor shapes; interpret mode takes any."""
+    The Triton backend needs power-of-two tensor shapes; interpret mode takes any. An 8-bit
+    cache (kv_quant's layout) has ``head_dim + 2`` bytes per entry: the values, then the scale."""
     H, D = heads_dim
-    if k_cache.shape != v_cache.shape or k_cache.ndim != 4 or k_cache.shape[3] != D:
-        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must both be "
-                         f"[num_blocks, block_size, num_kv_heads, head_dim={D}]")
+    kv_quant = _kv_quant()
+    quantized = kv_quant.kind(k_cache) != "auto"
+    E = D + kv_quant.SCALE_BYTES if quantized else D
+    if k_cache.shape != v_cache.shape or k_cache.ndim != 4 or k_cache.shape[3] != E:
+        raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must both be [num_blocks, block_size, "
+                         f"num_kv_heads, {'head_dim + 2' if quantized else 'head_dim'}={E}]")
     if H % k_cache.shape[2]:
         raise ValueError(f"num_heads={H} must be a multiple of num_kv_heads={k_cache.shape[2]}")
     block_size = k_cache.shape[1]
@@ -82,28 +97,53 @@ def first_chunk(first_key, chunk: int):
     return jnp.maximum(first_key, 0) // chunk
 
 
+def load_pages(ref, pages, chunk: int, d: int, dtype):
+    """Gather ``pages`` of one head's cache view ``ref [num_blocks, block_size, E]``.
+
+    A float cache (E = d): ``(entries [chunk, d], None)``, as stored. An 8-bit cache
+    (kv_quant's layout, E = d + 2): ``(values [chunk, d] in dtype, scales [chunk] f32)``; the
+    values (int8, or fp8 e4m3 bits in uint8) convert to ``dtype`` exactly, and the caller
+    applies the scales. The float16 scale's two bytes are loaded one at a time and joined as
+    an integer before a same-width bitcast: Triton's bitcast cannot turn two int8 into a float16.
+    """
+    if ref.shape[-1] == d:
+        return ref[pages].reshape(chunk, d), None
+    values = ref[pages, :, pl.ds(0, d)].reshape(chunk, d)
+    if _kv_quant().kind(ref) == "fp8":
+        values = lax.bitcast_convert_type(values, jnp.float8_e4m3fn)
+    lo, hi = (ref[pages, :, pl.ds(d + i, 1)].reshape(chunk).astype(jnp.int32) & 0xFF for i in (0, 1))
+    scales = lax.bitcast_convert_type(((hi << 8) | lo).astype(jnp.uint16), jnp.float16)  # little-endian, as stored
+    return values.astype(dtype), scales.astype(jnp.float32)
+
+
 def attend_chunk(carry, q, k_ref, v_ref, pages, k_pos, visible, length, scale, precision,
                  logit_soft_cap: float | None = None):
     """One online-softmax step of both kernels over one chunk of pages.
 
     carry (o [R, D] f32 unnormalised, m [R] running max, l [R] running sum); q [R, D];
-    pages [pages_per_chunk] i32 of k_ref/v_ref [num_blocks, block_size, D]; k_pos [chunk]
-    the keys' positions; visible: bool broadcastable to [R, chunk]; ``logit_soft_cap``:
-    scores become ``cap * tanh(scores / cap)`` (after the scale, before the mask). Returns the new carry.
+    pages [pages_per_chunk] i32 of k_ref/v_ref [num_blocks, block_size, E] (E = D, or D + 2 for
+    an 8-bit cache); k_pos [chunk] the keys' positions; visible: bool broadcastable to [R, chunk];
+    ``logit_soft_cap``: scores become ``cap * tanh(scores / cap)`` (after the scale, before the
+    mask). Returns the new carry.
     """
     o, m, l = carry
     chunk, d = k_pos.shape[0], q.shape[1]
-    k = k_ref[pages].reshape(chunk, d)
-    v = v_ref[pages].reshape(chunk, d)
+    k, k_scales = load_pages(k_ref, pages, chunk, d, q.dtype)
+    v, v_scales = load_pages(v_ref, pages, chunk, d, q.dtype)
     s = pl.dot(q, k, trans_b=True, precision=precision) * scale  # [R, chunk] f32
+    if k_scales is not None:  # an 8-bit cache: each key's scale multiplies its scores
+        s = s * k_scales[None, :]
     if logit_soft_cap is not None:
         s = logit_soft_cap * jnp.tanh(s / logit_soft_cap)
     s = jnp.where(visible, s, _NEG)
-    v = jnp.where((k_pos < length)[:, None], v, 0)  # a stale Inf/NaN in an unused slot must not reach p @ v
+    in_seq = k_pos < length
+    v = jnp.where(in_seq[:, None], v, 0)  # a stale Inf/NaN in an unused slot must not reach p @ v
     m_new = jnp.maximum(m, s.max(axis=-1))
     alpha = jnp.exp(m - m_new)
     p = jnp.where(visible, jnp.exp(s - m_new[:, None]), 0.0)  # rows that see nothing stay at 0
     l_new = alpha * l + p.sum(axis=-1)
+    if v_scales is not None:  # ... and each value's scale its weight (l keeps the unscaled sum)
+        p = p * jnp.where(in_seq, v_scales, 0.0)[None, :]
     o_new = alpha[:, None] * o + pl.dot(p.astype(v.dtype), v, precision=precision)
     return o_new, m_new, l_new
 
@@ -171,7 +211,9 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
                            sliding_window: int | None = None, logit_soft_cap: float | None = None):
     """Decode attention of one query per sequence over its paged K/V.
 
-    q [S, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D]; block_tables int32
+    q [S, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D] (float), or an 8-bit cache in
+    kv_quant's layout [num_blocks, block_size, KVH, D + 2] (int8 or fp8 values, dequantized in the
+    kernel with their float16 scales); block_tables int32
     [S, max_blocks]; context_lens int32 [S]; scale: softmax scale (float or scalar array).
     ``partition_size`` (tokens, a multiple of block_size) splits each context into
     partitions run in parallel and merged (None: one partition). ``chunk_tokens``:
@@ -203,7 +245,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     kernel = functools.partial(_decode_kernel, block_size=block_size, pages_per_chunk=ppc,
                                pages_per_partition=ppp, precision=precision, sliding_window=sliding_window,
                                logit_soft_cap=logit_soft_cap)
-    cache_spec = pl.BlockSpec((num_blocks, block_size, None, D), lambda s, h, p: (0, 0, h, 0))
+    cache_spec = pl.BlockSpec((num_blocks, block_size, None, k_cache.shape[3]), lambda s, h, p: (0, 0, h, 0))
     o, m, l = pl.pallas_call(
         kernel,
         grid=(S, KVH, P),

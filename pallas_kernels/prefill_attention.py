@@ -85,7 +85,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, que
                             logit_soft_cap: float | None = None):
     """Causal attention of ``Q`` queries per sequence over its paged K/V.
 
-    q [S, Q, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D]; block_tables int32
+    q [S, Q, H, D]; k_cache/v_cache [num_blocks, block_size, KVH, D], or an 8-bit cache
+    [num_blocks, block_size, KVH, D + 2] as for the decode kernel; block_tables int32
     [S, max_blocks]; context_lens, query_lens int32 [S]; scale: float or scalar array.
     Query ``i`` of sequence ``s`` sits at position ``context_lens[s] - query_lens[s] + i``.
     ``chunk_tokens``: K/V tokens per loop step (whole pages, at least 16); ``tile_rows``:
@@ -120,7 +121,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, que
     kernel = functools.partial(_prefill_kernel, block_size=block_size, pages_per_chunk=ppc, queries_per_tile=bq,
                                heads_per_row=Gp, precision=precision, sliding_window=sliding_window,
                                logit_soft_cap=logit_soft_cap)
-    cache_spec = pl.BlockSpec((num_blocks, block_size, None, D), lambda s, h, t: (0, 0, h, 0))
+    cache_spec = pl.BlockSpec((num_blocks, block_size, None, k_cache.shape[3]), lambda s, h, t: (0, 0, h, 0))
     out = pl.pallas_call(
         kernel,
         grid=(S, KVH, n_tiles),

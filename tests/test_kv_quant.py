@@ -130,13 +130,6 @@ def test_8bit_cache_keeps_held_out_perplexity_within_one_percent(kind):
     assert ratio != 1 and abs(ratio - 1) < 0.01, ratio
 
 
-@pytest.mark.parametrize("backend, kind", [("native", "fp8"), ("pallas-interpret", "int8"),
-                                           ("pallas-interpret", "fp8")])
-def test_backends_without_an_8bit_reader_refuse_it_at_start(backend, kind):
-    with pytest.raises(ValueError, match=rf"attention_backend=.?{backend}.? .*'{kind}'"):
-        LLM(kv_cache_dtype=kind, attention_backend=backend)
-
-
 def test_kv_cache_dtype_names_the_allowed_values():
     with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \['auto', 'int8', 'fp8'\], got 'int4'"):
         LLM(kv_cache_dtype="int4")

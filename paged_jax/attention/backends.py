@@ -150,11 +150,11 @@ class NativeBackend:
     """Decode through the C++ CPU kernel (``paged_jax/native``), prefill through the reference
     backend's (blockwise jnp, :func:`blockwise_prefill_attention`).
 
-    float32 or bfloat16 caches, or an int8 one (``kv_cache_dtype="int8"``), on a CPU where the
+    float32 or bfloat16 caches, or an 8-bit one (``kv_cache_dtype="int8" | "fp8"``), on a CPU where the
     kernel builds; no sliding window or soft-cap (the kernel has neither)."""
 
     name = "native"
-    DTYPES = ("float32", "bfloat16", "int8")
+    DTYPES = ("float32", "bfloat16", "int8", "fp8")
 
     def check(self, spec: AttentionSpec, dtype: str) -> None:
         from paged_jax import native

@@ -54,8 +54,10 @@ SOURCES = [Path(__file__).with_name("paged_decode.cc"), Path(__file__).with_name
 HEADERS = [Path(__file__).with_name("parallel.h")]
 TARGETS = {"float32": ("paged_jax_paged_decode_f32", "PagedDecodeF32"),
            "bfloat16": ("paged_jax_paged_decode_bf16", "PagedDecodeBF16")}
-# float32 queries over an int8 KV cache with a float16 scale per token and head (paged_jax.attention.kv_quant)
-Q8_DECODE_TARGET = ("paged_jax_paged_decode_q8", "PagedDecodeQ8")
+# float32 queries over an 8-bit KV cache with a float16 scale per token and head (paged_jax.attention.kv_quant),
+# by the cache array's dtype: int8 values, or fp8 e4m3 bits in uint8
+QUANTIZED_DECODE_TARGETS = {"int8": ("paged_jax_paged_decode_q8", "PagedDecodeQ8"),
+                            "uint8": ("paged_jax_paged_decode_fp8", "PagedDecodeFp8")}
 TARGET = TARGETS["float32"][0]
 LINEAR_TARGET = ("paged_jax_linear_f32", "LinearF32")
 SUM_TARGET = ("paged_jax_sum_f32", "SumF32")
@@ -130,7 +132,7 @@ def available() -> bool:
                 if not path.is_file():
                     _build(path)
                 lib = ctypes.cdll.LoadLibrary(str(path))
-                for target, symbol in (*TARGETS.values(), Q8_DECODE_TARGET, LINEAR_TARGET, SUM_TARGET,
+                for target, symbol in (*TARGETS.values(), *QUANTIZED_DECODE_TARGETS.values(), LINEAR_TARGET, SUM_TARGET,
                                        *QUANTIZED_TARGETS.values()):
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                 _state.update(ok=True, library=str(path), avx512_matmul=bool(lib.PagedJaxLinearAvx512()))
@@ -154,7 +156,7 @@ def _dtype(q, k_cache, v_cache) -> Optional[str]:
 
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> "jax.Array":
     """Same contract as :func:`paged_jax.attention.decode.paged_decode_attention` (float32 or
-    bfloat16, one dtype for all three, or int8 caches in kv_quant's layout with any query dtype;
+    bfloat16, one dtype for all three, or 8-bit caches (int8 or fp8) in kv_quant's layout with any query dtype;
     float32 arithmetic); rows with ``context_lens <= 0`` give zeros."""
     import jax
     import jax.numpy as jnp
@@ -166,11 +168,12 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float) 
                          f"tables {block_tables.shape}")
     S, H, D = q.shape
     KVH = k_cache.shape[2]
-    if k_cache.dtype == jnp.int8 and v_cache.dtype == jnp.int8:  # an 8-bit cache: D values + a float16 scale
+    quantized = QUANTIZED_DECODE_TARGETS.get(str(k_cache.dtype))
+    if quantized and v_cache.dtype == k_cache.dtype:  # an 8-bit cache: D values + a float16 scale
         if k_cache.shape[3] != D + 2 or H % KVH or block_tables.shape[0] != S or context_lens.shape != (S,):
-            raise ValueError(f"paged_decode over an int8 cache needs entries of head_dim + 2 = {D + 2}, kv_heads "
+            raise ValueError(f"paged_decode over an 8-bit cache needs entries of head_dim + 2 = {D + 2}, kv_heads "
                              f"dividing {H}, {S} rows; got k {k_cache.shape}, tables {block_tables.shape}")
-        out = jax.ffi.ffi_call(Q8_DECODE_TARGET[0], jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+        out = jax.ffi.ffi_call(quantized[0], jax.ShapeDtypeStruct(q.shape, jnp.float32))(
             q.astype(jnp.float32), k_cache, v_cache, block_tables.astype(jnp.int32), context_lens.astype(jnp.int32),
             scale=np.float32(scale))
         return out.astype(q.dtype)

@@ -7,8 +7,9 @@
 // float32. Slots past a sequence's context are never read. Work is split over
 // sequences and shared with XLA's intra-op thread pool. Caches and queries are float32 or
 // bfloat16 (read as float32; the output rounded to bfloat16 to nearest even, as astype), or
-// float32 queries over an int8 cache (paged_jax.attention.kv_quant: each head's entry is D int8
-// values and a float16 scale, D + 2 bytes; the scales multiply the dot products and the weights).
+// float32 queries over an 8-bit cache (paged_jax.attention.kv_quant: each head's entry is D int8
+// or fp8 e4m3 values and a float16 scale, D + 2 bytes; the scales multiply the dot products and
+// the weights).
 
 #include <algorithm>
 #include <cmath>
@@ -24,11 +25,17 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-// T: float, or uint16_t holding bfloat16 bits. C: the cache's element, T or int8_t (quantized).
+// The bits of a float8 e4m3fn value (the fp8 cache stores them in uint8).
+struct Fp8E4M3 {
+  uint8_t bits;
+};
+
+// T: float, or uint16_t holding bfloat16 bits. C: the cache's element, T, or int8_t or Fp8E4M3
+// (quantized).
 template <typename T, typename C = T>
 struct Problem {
   const T* q;           // [S, H, D]
-  const C* k;           // [NB, BS, KVH, E], E = D (float caches) or D + 2 (int8 values, float16 scale)
+  const C* k;           // [NB, BS, KVH, E], E = D (float caches) or D + 2 (8-bit values, float16 scale)
   const C* v;           // [NB, BS, KVH, E]
   const int32_t* bt;    // [S, MB]
   const int32_t* lens;  // [S]
@@ -40,6 +47,18 @@ struct Problem {
 
 inline float ToFloat(float x) { return x; }
 inline float ToFloat(int8_t x) { return static_cast<float>(x); }
+
+// e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities, and NaN (0x7f, 0xff)
+// never stored (kv_quant clips to +-448). Both cases are computed and one is picked with a bit mask:
+// GCC does not vectorise the loops over a ternary here (7x slower). Subnormals go through an
+// integer conversion, not a float32 subnormal (which XLA's flush-to-zero would read as 0).
+inline float ToFloat(Fp8E4M3 x) {
+  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x80u) << 24, mag = x.bits & 0x7fu;
+  const uint32_t normal = (mag << 20) + (120u << 23);                                              // rebias 7 -> 127
+  const uint32_t subnormal = __builtin_bit_cast(uint32_t, static_cast<float>(mag) * 0x1p-9f);  // m / 8 * 2^-6
+  const uint32_t is_normal = 0u - static_cast<uint32_t>(mag >= 8);                             // all ones or 0
+  return __builtin_bit_cast(float, (normal & is_normal) | (subnormal & ~is_normal) | sign);
+}
 
 inline float HalfToFloat(uint16_t h) {  // IEEE binary16 -> float32
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
@@ -54,7 +73,7 @@ inline float HalfToFloat(uint16_t h) {  // IEEE binary16 -> float32
 // The scale of a quantized head entry (its last two bytes), 1 for a float cache.
 template <typename C>
 inline float EntryScale(const C* entry, int64_t D) {
-  if constexpr (std::is_same_v<C, int8_t>) {
+  if constexpr (std::is_same_v<C, int8_t> || std::is_same_v<C, Fp8E4M3>) {
     uint16_t bits;
     std::memcpy(&bits, entry + D, sizeof(bits));
     return HalfToFloat(bits);
@@ -216,6 +235,15 @@ ffi::Error ImplQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
              bt, lens, scale, out->typed_data(), 2);
 }
 
+// The same over an fp8 cache: e4m3 bits in uint8 (as kv_quant stores them), a float16 scale each.
+ffi::Error ImplFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> k, ffi::Buffer<ffi::U8> v,
+                   ffi::Buffer<ffi::S32> bt, ffi::Buffer<ffi::S32> lens, float scale,
+                   ffi::ResultBuffer<ffi::F32> out) {
+  return Run(pool, q.typed_data(), q.dimensions(), reinterpret_cast<const Fp8E4M3*>(k.typed_data()),
+             reinterpret_cast<const Fp8E4M3*>(v.typed_data()), k.dimensions(), v.dimensions(), bt, lens, scale,
+             out->typed_data(), 2);
+}
+
 }  // namespace
 
 #define PAGED_DECODE_BINDING(DT)             \
@@ -232,13 +260,17 @@ ffi::Error ImplQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeF32, Impl<ffi::F32>, PAGED_DECODE_BINDING(ffi::F32));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeBF16, Impl<ffi::BF16>, PAGED_DECODE_BINDING(ffi::BF16));
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeQ8, ImplQ8,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::S8>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Attr<float>("scale")
-                                  .Ret<ffi::Buffer<ffi::F32>>());
+// float32 queries and output over an 8-bit cache of element type CT.
+#define PAGED_DECODE_8BIT_BINDING(CT)        \
+  ffi::Ffi::Bind()                           \
+      .Ctx<ffi::ThreadPool>()                \
+      .Arg<ffi::Buffer<ffi::F32>>()          \
+      .Arg<ffi::Buffer<CT>>()                \
+      .Arg<ffi::Buffer<CT>>()                \
+      .Arg<ffi::Buffer<ffi::S32>>()          \
+      .Arg<ffi::Buffer<ffi::S32>>()          \
+      .Attr<float>("scale")                  \
+      .Ret<ffi::Buffer<ffi::F32>>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeQ8, ImplQ8, PAGED_DECODE_8BIT_BINDING(ffi::S8));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedDecodeFp8, ImplFp8, PAGED_DECODE_8BIT_BINDING(ffi::U8));
