@@ -1,0 +1,186 @@
+"""Make the GPTQ and AWQ test fixtures (tests/fixtures/quantized/) with GPTQModel, once.
+
+GPTQModel is the quantizer and its load-back is the oracle, but its dependencies are too heavy for
+the test extra, so it runs in an environment of its own and its outputs are committed:
+
+    python3 -m venv /tmp/quant-venv
+    /tmp/quant-venv/bin/pip install torch==2.13.0 gptqmodel==7.6.0 jax==0.10.2 jaxlib==0.10.2
+    GPTQMODEL_CPU_WORKERS=2 /tmp/quant-venv/bin/python experiments/make_quantized_fixtures.py
+
+(jax only because the tiny models' tokenizer comes from paged_jax.models.tiny.) About a minute per
+fixture on 2 CPU cores. Each fixture folder holds the quantized checkpoint as GPTQModel saved it
+(config.json, model.safetensors, tokenizer) and ``oracle.npz``, GPTQModel's own load-back of that
+folder in float32 (its torch kernels, ``BACKEND.TORCH`` / ``BACKEND.AWQ_TORCH``):
+
+- ``tokens_<i>``: greedy continuation of ``PROMPTS[i]`` (``NEW_TOKENS`` tokens);
+- ``logprobs_<i>``: teacher-forced log-probability of each token of prompt + continuation after
+  the first, given those before it;
+- ``<module>``: the float weight ``[in, out]`` the library dequantizes ``ORACLE_MODULE`` to.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+os.environ.setdefault("GPTQMODEL_CPU_WORKERS", "2")
+
+OUT = ROOT / "tests" / "fixtures" / "quantized"
+PROMPTS = [[1, 5, 9, 33, 77, 100, 200], [1, 40, 41, 42], [1, 300, 301, 302, 303, 304, 305, 306, 307]]
+NEW_TOKENS = 12
+ORACLE_MODULE = "model.layers.0.mlp.down_proj"  # in 256: two groups of 128
+
+# Wide enough for group size 128 (down_proj's input is 256), small enough to commit: 2 layers,
+# hidden 128, vocabulary 512.
+TINY = dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=512, initializer_range=0.15)
+VARIANTS = {"llama_q": ("LlamaConfig", dict(TINY, tie_word_embeddings=False)),
+            "qwen2_q": ("Qwen2Config", dict(TINY, tie_word_embeddings=True))}
+
+# name -> (variant, method, QuantizeConfig arguments)
+FIXTURES = {
+    # activation order with asymmetric zeros, the v1 "zeros minus one" format
+    "gptq-llama-w4g128-act": ("llama_q", "gptq", dict(bits=4, group_size=128, desc_act=True, sym=False)),
+    # 8 bits, one group per output channel, symmetric; another family (Q/K/V biases, tied embeddings)
+    "gptq-qwen2-w8ch": ("qwen2_q", "gptq", dict(bits=8, group_size=-1, desc_act=False, sym=True)),
+    # the v2 format (zeros as they are), groups of 64
+    "gptq-llama-w4g64-v2": ("llama_q", "gptq", dict(bits=4, group_size=64, desc_act=False, sym=False,
+                                                    format="gptq_v2")),
+    # zero_point: true (GPTQModel writes AWQ's zero_point as "not sym")
+    "awq-llama-w4g128": ("llama_q", "awq", dict(bits=4, group_size=128, sym=False)),
+    # zero_point: false, its qzeros all the midpoint 8
+    "awq-qwen2-w4g64": ("qwen2_q", "awq", dict(bits=4, group_size=64, sym=True)),
+}
+
+
+def calibration_data(src: Path, n: int = 64, chars: int = 400) -> list:
+    """Windows of the bundled corpus, tokenized here (the tiny tokenizers, not GPTQModel's own)."""
+    import transformers
+
+    tok = transformers.AutoTokenizer.from_pretrained(src)
+    import argparse as stdlib_source
+
+    text = Path(stdlib_source.__file__).read_text()  # any plain text will do; this one ships with Python
+    ids = [tok(text[i * chars:(i + 1) * chars])["input_ids"] for i in range(n)]
+    return [{"input_ids": [x], "attention_mask": [[1] * len(x)]} for x in ids]
+
+
+def float_model(variant: str, work: Path) -> Path:
+    from tests import hf_models
+
+    hf_models.HF_VARIANTS.update(VARIANTS)
+    out = work / f"{variant}-float"
+    if not out.exists():
+        hf_models.make_hf_model(variant, out)
+    return out
+
+
+def quantize(src: Path, method: str, args: dict, out: Path) -> None:
+    import torch
+    from gptqmodel import BACKEND, GPTQModel, QuantizeConfig
+    from gptqmodel.quantization import FORMAT, METHOD
+
+    if method == "awq":
+        qcfg = QuantizeConfig(method=METHOD.AWQ, format=FORMAT.GEMM, **args)
+    else:
+        # GPTQModel's group-aware reordering needs groups; -1 is one group per output channel
+        qcfg = QuantizeConfig(**args, act_group_aware=args["group_size"] > 0 and not args["desc_act"])
+    # float16 for the float tensors too: the torch kernels of the load-back take float16 or bfloat16,
+    # and float16 holds float16 scales exactly
+    model = GPTQModel.load(str(src), qcfg, device="cpu", dtype=torch.float16)
+    # on a CPU, AWQ's packing needs its torch kernel named
+    model.quantize(calibration_data(src), batch_size=8, backend=BACKEND.AWQ_TORCH if method == "awq" else BACKEND.AUTO)
+    if out.exists():
+        shutil.rmtree(out)
+    model.save(str(out))
+    for junk in ("quant_log.csv",):
+        (out / junk).unlink(missing_ok=True)
+
+
+def _greedy_and_logprobs(model, prefix: str = "") -> dict:
+    import numpy as np
+    import torch
+
+    out = {}
+    with torch.no_grad():
+        for i, prompt in enumerate(PROMPTS):
+            ids = list(prompt)
+            for _ in range(NEW_TOKENS):  # greedy, the whole sequence each step (tiny model)
+                ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            logits = model(torch.tensor([ids])).logits[0, :-1].float()
+            logp = torch.log_softmax(logits, -1)[torch.arange(len(ids) - 1), torch.tensor(ids[1:])]
+            out[f"{prefix}tokens_{i}"] = np.array(ids[len(prompt):], dtype=np.int32)
+            out[f"{prefix}logprobs_{i}"] = logp.numpy().astype(np.float32)
+    return out
+
+
+def oracle(folder: Path, method: str) -> dict:
+    import numpy as np
+    import torch
+    from gptqmodel import BACKEND, GPTQModel
+    from gptqmodel.quantization.awq.utils.packing_utils import dequantize_gemm
+
+    backend = BACKEND.AWQ_TORCH if method == "awq" else BACKEND.TORCH
+    # loaded as saved (float16: exact), then run in float32, as paged-jax's tests run
+    wrapped = GPTQModel.load(str(folder), device="cpu", backend=backend, dtype=torch.float16)
+    model = wrapped.model.float().eval()
+    module = model.get_submodule(ORACLE_MODULE)
+    out = {"kernel": np.array(type(module).__name__)}
+    if method == "gptq":
+        out.update(_greedy_and_logprobs(model))
+        with torch.no_grad():
+            out[ORACLE_MODULE] = module.dequantize_weight().float().numpy()  # [in, out]
+        return out
+    # AWQ's torch kernel computes in float16 whatever its input: its outputs are kept as
+    # "fp16_kernel_*", and the float32 oracle runs each linear on the weight the library's own
+    # dequantize_gemm makes, in float32
+    out.update(_greedy_and_logprobs(model, "fp16_kernel_"))
+
+    def float32_dequantized(m):
+        def forward(x):
+            w = dequantize_gemm(m.qweight, m.qzeros, m.scales.float(), m.bits, m.group_size)
+            y = x.float() @ w
+            return y if m.bias is None else y + m.bias.float()
+        return forward
+
+    quantized = [m for m in model.modules() if type(m).__name__ == out["kernel"]]
+    for m in quantized:
+        m.forward = float32_dequantized(m)
+    out.update(_greedy_and_logprobs(model))
+    out[ORACLE_MODULE] = dequantize_gemm(module.qweight, module.qzeros, module.scales.float(), module.bits,
+                                         module.group_size).numpy()
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", nargs="*", help="fixture names (default: all)")
+    ap.add_argument("--work", default="/tmp/quantized-fixtures-work", help="where the float models go")
+    a = ap.parse_args()
+    import numpy as np
+    import torch
+
+    torch.set_num_threads(2)
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    for name, (variant, method, args) in FIXTURES.items():
+        if a.only and name not in a.only:
+            continue
+        t = time.time()
+        folder = OUT / name
+        quantize(float_model(variant, work), method, args, folder)
+        np.savez_compressed(folder / "oracle.npz", **oracle(folder, method))
+        qc = json.loads((folder / "config.json").read_text())["quantization_config"]
+        print(f"{name}: {time.time() - t:.0f} s, {sum(f.stat().st_size for f in folder.iterdir()) / 1e3:.0f} kB, "
+              f"quant_method={qc.get('quant_method')} format={qc.get('checkpoint_format', qc.get('version'))}")
+
+
+if __name__ == "__main__":
+    main()
