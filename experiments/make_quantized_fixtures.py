@@ -1,7 +1,12 @@
-"""Make the GPTQ and AWQ test fixtures (tests/fixtures/quantized/) with GPTQModel, once.
+"""Make the GPTQ, AWQ and vLLM-fp8 test fixtures (tests/fixtures/quantized/), once.
 
-GPTQModel is the quantizer and its load-back is the oracle, but its dependencies are too heavy for
-the test extra, so it runs in an environment of its own and its outputs are committed:
+GPTQ and AWQ: GPTQModel is the quantizer and its load-back is the oracle. vLLM's own fp8 format
+(``quant_method: fp8``) has no CPU writer among the quantizers (GPTQModel's ``fp8`` method divides
+by its ``weight_scale_inv``, the inverse of vLLM's layout), so it is written here in the documented
+layout (e4m3 ``weight`` with ``weight_scale`` per tensor or ``weight_scale_inv`` per block, both
+multipliers) and the oracle is transformers' own fp8 loading (on a CPU it dequantizes each weight
+with its scales). Their dependencies (GPTQModel's numpy pin, torchao, accelerate) are too heavy for
+the test extra, so this runs in an environment of its own and its outputs are committed:
 
     python3 -m venv /tmp/quant-venv
     /tmp/quant-venv/bin/pip install torch==2.13.0 gptqmodel==7.6.0 jax==0.10.2 jaxlib==0.10.2
@@ -10,7 +15,8 @@ the test extra, so it runs in an environment of its own and its outputs are comm
 (jax only because the tiny models' tokenizer comes from paged_jax.models.tiny.) About a minute per
 fixture on 2 CPU cores. Each fixture folder holds the quantized checkpoint as GPTQModel saved it
 (config.json, model.safetensors, tokenizer) and ``oracle.npz``, GPTQModel's own load-back of that
-folder in float32 (its torch kernels, ``BACKEND.TORCH`` / ``BACKEND.AWQ_TORCH``):
+folder in float32 (its torch kernels, ``BACKEND.TORCH`` / ``BACKEND.AWQ_TORCH``; for fp8,
+transformers'):
 
 - ``tokens_<i>``: greedy continuation of ``PROMPTS[i]`` (``NEW_TOKENS`` tokens);
 - ``logprobs_<i>``: teacher-forced log-probability of each token of prompt + continuation after
@@ -57,6 +63,10 @@ FIXTURES = {
     "awq-llama-w4g128": ("llama_q", "awq", dict(bits=4, group_size=128, sym=False)),
     # zero_point: false, its qzeros all the midpoint 8
     "awq-qwen2-w4g64": ("qwen2_q", "awq", dict(bits=4, group_size=64, sym=True)),
+    # vLLM's fp8: 2-D blocks of 64 x 64 (transformers' dequantization needs blocks that divide the
+    # weight; the tiny K/V projections are 64 rows), and one scale per tensor on the other family
+    "fp8-llama-block64": ("llama_q", "fp8", dict(block=(64, 64))),
+    "fp8-qwen2-tensor": ("qwen2_q", "fp8", dict(block=None)),
 }
 
 
@@ -102,6 +112,64 @@ def quantize(src: Path, method: str, args: dict, out: Path) -> None:
     model.save(str(out))
     for junk in ("quant_log.csv",):
         (out / junk).unlink(missing_ok=True)
+
+
+def write_vllm_fp8(src: Path, out: Path, block) -> None:
+    """The float folder ``src`` with every decoder linear in vLLM's fp8 layout: e4m3 values of
+    ``w / s`` with ``s = max|w| / 448`` per tensor (``weight_scale``, a scalar) or per
+    ``block`` of ``[out, in]`` (``weight_scale_inv``, ``[out / bo, in / bi]``); the rest float16."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(src, out)
+    tensors = {}
+    for name, w in load_file(str(src / "model.safetensors")).items():
+        if not (name.startswith("model.layers.") and name.endswith("_proj.weight")):
+            tensors[name] = w.to(torch.float16)
+            continue
+        w = w.float()
+        prefix = name[:-len("weight")]
+        if block is None:
+            s = w.abs().amax() / 448
+            tensors[name] = (w / s).to(torch.float8_e4m3fn)
+            tensors[prefix + "weight_scale"] = s.reshape(())
+        else:
+            (bo, bi), (o, i) = block, w.shape
+            s = w.reshape(o // bo, bo, i // bi, bi).abs().amax((1, 3)) / 448
+            tensors[name] = (w / s.repeat_interleave(bo, 0).repeat_interleave(bi, 1)).to(torch.float8_e4m3fn)
+            tensors[prefix + "weight_scale_inv"] = s
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((out / "config.json").read_text())
+    config["torch_dtype"] = "float16"
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                     **({} if block is None else {"weight_block_size": list(block)})}
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+
+
+def fp8_oracle(folder: Path) -> dict:
+    """transformers' fp8 loading (on a CPU: each weight dequantized with its scales, in float32 here).
+    It reads ``weight_scale_inv`` alone, so a per-tensor folder is read through a copy whose
+    ``weight_scale`` tensors carry that name (the same multiplier)."""
+    import tempfile
+
+    import numpy as np
+    import torch
+    import transformers
+    from safetensors.torch import load_file, save_file
+
+    with tempfile.TemporaryDirectory() as tmp:
+        view = Path(tmp) / "view"
+        shutil.copytree(folder, view)
+        state = load_file(str(view / "model.safetensors"))
+        save_file({k[:-len("weight_scale")] + "weight_scale_inv" if k.endswith(".weight_scale") else k: v
+                   for k, v in state.items()}, str(view / "model.safetensors"), metadata={"format": "pt"})
+        model = transformers.AutoModelForCausalLM.from_pretrained(view, dtype=torch.float32).eval()
+    module = model.get_submodule(ORACLE_MODULE)
+    out = {"kernel": np.array(type(module).__name__), ORACLE_MODULE: module.weight.detach().float().T.numpy()}
+    out.update(_greedy_and_logprobs(model))
+    return out
 
 
 def _greedy_and_logprobs(model, prefix: str = "") -> dict:
@@ -175,8 +243,12 @@ def main():
             continue
         t = time.time()
         folder = OUT / name
-        quantize(float_model(variant, work), method, args, folder)
-        np.savez_compressed(folder / "oracle.npz", **oracle(folder, method))
+        if method == "fp8":
+            write_vllm_fp8(float_model(variant, work), folder, args["block"])
+            np.savez_compressed(folder / "oracle.npz", **fp8_oracle(folder))
+        else:
+            quantize(float_model(variant, work), method, args, folder)
+            np.savez_compressed(folder / "oracle.npz", **oracle(folder, method))
         qc = json.loads((folder / "config.json").read_text())["quantization_config"]
         print(f"{name}: {time.time() - t:.0f} s, {sum(f.stat().st_size for f in folder.iterdir()) / 1e3:.0f} kB, "
               f"quant_method={qc.get('quant_method')} format={qc.get('checkpoint_format', qc.get('version'))}")
