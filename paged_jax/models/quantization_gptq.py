@@ -205,6 +205,10 @@ class FP8Quantization:
 
     @classmethod
     def from_config(cls, qc: dict, where: str) -> "FP8Quantization":
+        if "weight_scale_semantics" in qc or "weight_scale_method" in qc:
+            _refuse(where, f"fp8 weight_scale_semantics {qc.get('weight_scale_semantics')!r} (GPTQModel's own fp8, "
+                    "whose weights are divided by weight_scale_inv)",
+                    "vLLM's fp8, whose weight_scale / weight_scale_inv multiply the weights")
         scheme = qc.get("activation_scheme", "dynamic")
         if scheme != "dynamic":
             _refuse(where, f"fp8 activation_scheme {scheme!r} (static input scales)", ["dynamic"])
@@ -221,7 +225,8 @@ class FP8Quantization:
         return "weight_scale" if self.block is None else "weight_scale_inv"
 
     def stores_quantized(self, module: str, files) -> bool:
-        return f"{module}.{self.scale_name}" in files
+        # either name: a scale of the other kind is then reported missing, not read as a float weight
+        return f"{module}.weight_scale" in files or f"{module}.weight_scale_inv" in files
 
     def scheme_for(self, module: str) -> "FP8Quantization":
         return self
