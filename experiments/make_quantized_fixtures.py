@@ -22,6 +22,8 @@ transformers'):
 - ``logprobs_<i>``: teacher-forced log-probability of each token of prompt + continuation after
   the first, given those before it;
 - ``<module>``: the float weight ``[in, out]`` the library dequantizes ``ORACLE_MODULE`` to.
+
+``gptq-v1-zero-borrow.npz``: GPTQModel's v1 zeros where a zero of 0 borrows from its neighbour.
 """
 
 from __future__ import annotations
@@ -227,6 +229,33 @@ def oracle(folder: Path, method: str) -> dict:
     return out
 
 
+def v1_zero_borrow_case() -> dict:
+    """GPTQ v1's "minus one" applied by GPTQModel's own v2 -> v1 conversion to zeros of which some
+    are 0 (the random fixtures have none: a zero of 0 needs a group with no negative weight), so
+    that one nibble borrows from the next. From the v2 fixture's ``ORACLE_MODULE``: its tensors, the
+    v1 ``qzeros`` GPTQModel writes for them, and the weight GPTQModel dequantizes (v2 zeros)."""
+    import numpy as np
+    import torch
+    from gptqmodel import BACKEND, GPTQModel
+    from gptqmodel.utils.model import convert_gptq_v1_to_v2_format_module, convert_gptq_v2_to_v1_format_module
+
+    wrapped = GPTQModel.load(str(OUT / "gptq-llama-w4g64-v2"), device="cpu", backend=BACKEND.TORCH,
+                             dtype=torch.float16)
+    module = wrapped.model.float().get_submodule(ORACLE_MODULE)
+    with torch.no_grad():
+        module.qzeros[0] &= ~0xF  # the first zero of every word of group 0
+        module.qzeros[1] &= ~0xF0F  # and two per word of group 1
+        v2 = module.qzeros.clone()
+        out = {"qweight": module.qweight.numpy().copy(), "scales": module.scales.float().numpy(),
+               "g_idx": module.g_idx.numpy().copy(), "v2_qzeros": v2.numpy(),
+               "dequantized": module.dequantize_weight().float().numpy()}
+        convert_gptq_v2_to_v1_format_module(module, wrapped.quantize_config)
+        out["v1_qzeros"] = module.qzeros.numpy().copy()
+        convert_gptq_v1_to_v2_format_module(module, 4, torch.int32)
+        assert torch.equal(module.qzeros, v2), "GPTQModel's own v1 -> v2 did not restore its zeros"
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", nargs="*", help="fixture names (default: all)")
@@ -252,6 +281,8 @@ def main():
         qc = json.loads((folder / "config.json").read_text())["quantization_config"]
         print(f"{name}: {time.time() - t:.0f} s, {sum(f.stat().st_size for f in folder.iterdir()) / 1e3:.0f} kB, "
               f"quant_method={qc.get('quant_method')} format={qc.get('checkpoint_format', qc.get('version'))}")
+    if not a.only or "gptq-v1-zero-borrow" in a.only:
+        np.savez_compressed(OUT / "gptq-v1-zero-borrow.npz", **v1_zero_borrow_case())
 
 
 if __name__ == "__main__":

@@ -98,6 +98,21 @@ def test_greedy_tokens_and_logprobs_equal_the_quantizers_load_back(name):
             assert tokens[i] == o[f"fp16_kernel_tokens_{i}"].tolist()
 
 
+def test_gptq_v1_zeros_of_zero_borrowed_from_their_neighbour_and_are_restored_exactly():
+    """GPTQModel writes v1 zeros by subtracting 0x11111111 from each packed word, so a zero of 0
+    borrows from the next nibble; adding one to each nibble on read (not to the word) would give
+    16 and one less for its neighbour. The oracle: GPTQModel's own v2 -> v1 conversion and its
+    dequantization of the zeros before it."""
+    from paged_jax.models.quantization_gptq import GPTQQuantization
+
+    o = np.load(FIXTURES / "gptq-v1-zero-borrow.npz")
+    n_in, n_out = o["g_idx"].shape[0], o["scales"].shape[1]
+    gptq = GPTQQuantization.from_config({"bits": 4, "group_size": 64, "checkpoint_format": "gptq"}, "test")
+    tensors = {"m.qweight": o["qweight"], "m.qzeros": o["v1_qzeros"], "m.scales": o["scales"], "m.g_idx": o["g_idx"]}
+    got = gptq.linear("m", tensors, n_out, n_in, None, None).dequantize()
+    np.testing.assert_allclose(np.asarray(got), o["dequantized"], rtol=1e-6, atol=0)
+
+
 def test_native_cpu_matmul_takes_symmetric_gptq_without_zero_points():
     from paged_jax import native
 
