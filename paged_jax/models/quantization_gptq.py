@@ -60,6 +60,12 @@ def _centred(q: np.ndarray, bits: int) -> np.ndarray:
     return (q.astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
 
 
+def _groups(group_size: int, inp: int) -> tuple:
+    """(rows per group, number of groups); a group size of -1 is one group over the whole input."""
+    group = inp if group_size == -1 else group_size
+    return group, -(-inp // group)
+
+
 def _quantized_linear(q, zero, scale, g_idx, bits: int, group: int, bias, parallel) -> QuantizedLinear:
     """A QuantizedLinear from unsigned values ``q [in, out]``, unsigned zeros and float scales
     ``[groups, out]`` and an optional ``g_idx``. Zeros that are all the midpoint (symmetric) and a
@@ -118,13 +124,9 @@ class GPTQQuantization:
             _refuse(where, "gptq per-module overrides ('dynamic')", "one bit width and group size for all modules")
         return cls(bits=bits, group_size=group, desc_act=bool(qc.get("desc_act")), v1_zeros=fmt == "gptq")
 
-    def _groups(self, inp: int) -> tuple:
-        group = inp if self.group_size == -1 else self.group_size
-        return group, -(-inp // group)
-
     def tensor_shapes(self, module: str, out: int, inp: int, available) -> dict:
         pack = 32 // self.bits
-        _, groups = self._groups(inp)
+        _, groups = _groups(self.group_size, inp)
         p = module + "."
         shapes = {p + "qweight": (-(-inp // pack), out), p + "qzeros": (groups, -(-out // pack)),
                   p + "scales": (groups, out)}
@@ -139,7 +141,7 @@ class GPTQQuantization:
         if self.v1_zeros:  # undo the writer's word-wide "minus one" (uint32 arithmetic wraps as it did)
             qzeros = qzeros + np.uint32(0x11111111 if self.bits == 4 else 0x01010101)
         zero = unpack_words(qzeros, self.bits)[:, :out]
-        group, _ = self._groups(inp)
+        group, _ = _groups(self.group_size, inp)
         return _quantized_linear(q, zero, tensors[p + "scales"], tensors.get(p + "g_idx"), self.bits, group,
                                  bias, parallel)
 
@@ -180,12 +182,8 @@ class AWQQuantization:
             _refuse(where, f"awq group_size {group!r}", "a positive group_size, or -1 (one group)")
         return cls(group_size=group)
 
-    def _groups(self, inp: int) -> tuple:
-        group = inp if self.group_size == -1 else self.group_size
-        return group, -(-inp // group)
-
     def tensor_shapes(self, module: str, out: int, inp: int, available) -> dict:
-        _, groups = self._groups(inp)
+        _, groups = _groups(self.group_size, inp)
         p = module + "."
         return {p + "qweight": (inp, -(-out // 8)), p + "qzeros": (groups, -(-out // 8)), p + "scales": (groups, out)}
 
@@ -193,7 +191,7 @@ class AWQQuantization:
         p = module + "."
         q = _awq_columns(tensors[p + "qweight"])[:, :out]
         zero = _awq_columns(tensors[p + "qzeros"])[:, :out]
-        group, _ = self._groups(inp)
+        group, _ = _groups(self.group_size, inp)
         return _quantized_linear(q, zero, tensors[p + "scales"], None, 4, group, bias, parallel)
 
 
