@@ -267,6 +267,7 @@ def main():
     torch.set_num_threads(2)
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
+    os.chdir(work)  # GPTQModel writes its run logs into the working directory
     for name, (variant, method, args) in FIXTURES.items():
         if a.only and name not in a.only:
             continue
