@@ -237,7 +237,7 @@ W4 = {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32, "symm
 
 
 @pytest.mark.parametrize("qc, message", [
-    ({"quant_method": "gptq", "bits": 4}, r"quant_method 'gptq' is not supported; supported: \['compressed-tensors'\]"),
+    ({"quant_method": "hqq", "bits": 4}, r"quant_method 'hqq' is not supported; supported: \['compressed-tensors', 'gptq'"),
     ({"quant_method": "compressed-tensors", "format": "pack-quantized",
       "config_groups": {"g": {"targets": ["Linear"], "weights": {**W4, "num_bits": 2}}}},
      r"2-bit int weights is not supported; supported: \['int4', 'int8'"),

@@ -91,7 +91,7 @@ def _read_float8(f: Path, name: str, dtype: str) -> np.ndarray:
 
 
 def load_tensors(folder: Path, names: dict[str, tuple]) -> dict[str, np.ndarray]:
-    """Read the named tensors, checking presence and shape."""
+    """Read the named tensors, checking presence and shape (a shape None: any)."""
     from safetensors import safe_open
 
     files = weight_files(folder)
@@ -113,7 +113,7 @@ def load_tensors(folder: Path, names: dict[str, tuple]) -> dict[str, np.ndarray]
         except Exception as e:
             raise ModelLoadError(f"{f}: cannot read tensors (truncated or corrupt?): {e}") from e
     for n, shape in names.items():
-        if tuple(out[n].shape) != tuple(shape):
+        if shape is not None and tuple(out[n].shape) != tuple(shape):
             raise ModelLoadError(f"{files[n]}: tensor {n!r} has shape {tuple(out[n].shape)}, config implies {tuple(shape)}")
     return out
 
@@ -155,7 +155,7 @@ def load_model(path, dtype: str = "auto"):
     files = weight_files(folder)
     # linear modules stored quantized: their .weight is replaced by the format's tensors
     pending = {n[:-len(".weight")]: shape for n, shape in names.items()
-               if n.endswith(".weight") and len(shape) == 2 and n[:-len(".weight")] + ".weight_scale" in files}
+               if n.endswith(".weight") and len(shape) == 2 and quant.stores_quantized(n[:-len(".weight")], files)}
     for module in pending:
         if quant.scheme_for(module) is None:
             raise ModelLoadError(f"{folder}: {module} is stored quantized, but no config group of its "

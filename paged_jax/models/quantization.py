@@ -11,6 +11,8 @@ code does not change. Checkpoint formats (``quant_method``):
   ``float-quantized`` (fp8 weights per tensor, channel or block; activations fp8 per
   token at run time, or none) and ``naive-quantized`` (int8 or fp8 weights stored unpacked).
 
+- ``gptq``, ``awq`` and vLLM's own ``fp8``: :mod:`paged_jax.models.quantization_gptq`.
+
 Everything else (other methods, bit widths, strategies, static activation scales) is refused
 when the config is read, before any weight is, naming what is supported.
 """
@@ -27,7 +29,7 @@ from paged_jax.errors import ModelLoadError
 from paged_jax.models.weights import FP8_MAX, DenseLinear, QuantizedLinear
 
 QUANTIZE_ON_LOAD = ("int8", "fp8")
-CHECKPOINT_METHODS = ("compressed-tensors",)
+CHECKPOINT_METHODS = ("compressed-tensors", "gptq", "awq", "fp8")
 CT_FORMATS = ("pack-quantized", "int-quantized", "float-quantized", "naive-quantized")
 CT_STRATEGIES = ("tensor", "channel", "group", "block")
 
@@ -163,14 +165,22 @@ class CheckpointQuantization:
     ignore: tuple
 
     @classmethod
-    def from_hf(cls, cfg: dict, where: str) -> Optional["CheckpointQuantization"]:
-        """None for a float checkpoint; refuses what is not supported before any weight is read."""
+    def from_hf(cls, cfg: dict, where: str):
+        """The checkpoint's quantization (this class for compressed-tensors, or one of
+        :mod:`paged_jax.models.quantization_gptq`), None for a float checkpoint; refuses what is
+        not supported before any weight is read. Each answers ``stores_quantized(module, files)``,
+        ``scheme_for``, ``tensor_shapes`` and ``linear`` for the loader."""
         qc = cfg.get("quantization_config")
         if not qc:
             return None
         method = qc.get("quant_method")
         if method not in CHECKPOINT_METHODS:
             _refuse(where, f"quant_method {method!r}", list(CHECKPOINT_METHODS))
+        if method != "compressed-tensors":
+            from paged_jax.models import quantization_gptq as other
+
+            reader = {"gptq": other.GPTQQuantization, "awq": other.AWQQuantization, "fp8": other.FP8Quantization}
+            return reader[method].from_config(qc, where)
         if qc.get("kv_cache_scheme"):
             _refuse(where, "kv_cache_scheme", "none (a quantized KV cache is not read from checkpoints yet)")
         if qc.get("sparsity_config"):
@@ -180,6 +190,9 @@ class CheckpointQuantization:
             _refuse(where, "without config_groups", "one or more config groups")
         schemes = tuple(_scheme_from_group(g, qc.get("format"), where) for g in groups.values())
         return cls(schemes, tuple(qc.get("ignore") or ()))
+
+    def stores_quantized(self, module: str, files) -> bool:
+        return module + ".weight_scale" in files
 
     def scheme_for(self, module: str) -> Optional[WeightScheme]:
         """The scheme that quantizes linear ``module`` (e.g. ``model.layers.0.mlp.up_proj``), or None."""
