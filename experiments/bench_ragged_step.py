@@ -5,7 +5,7 @@ each in fresh child processes, alternating, on one model folder.
     python experiments/bench_ragged_step.py [--before REV] [--prompt-len 4000] [--streams 16]
 
 ``--before`` defaults to the last commit before the ragged step (``RAGGED_BASE``). The model is
-the stutter benchmark's GPT-2-shaped one (512 wide, 8 layers, 8 heads, vocabulary 1,024, random,
+the stutter benchmark's GPT-2-shaped one (512 wide, 8 layers, 8 heads, vocabulary 1,024 asked, 703 in the tokenizer, random,
 float32), every engine with default options (chunked prefill on, its default token budget):
 
 - *warm-up*: step shapes ``warm_up`` compiles, and its seconds, JAX's persistent compilation cache
@@ -56,7 +56,8 @@ def child(tree: str, model: str, what: str, a) -> dict:
         return dict(shapes=n, warmup_s=time.perf_counter() - t)
     if what == "prefill":
         llm = LLM(model, max_num_seqs=256, max_model_len=512)
-        prompts = [rng.integers(3, 1024, size=int(n)).tolist() for n in rng.integers(16, 161, size=48)]
+        vocab = llm.llm_engine.model_config.vocab_size
+        prompts = [rng.integers(3, vocab, size=int(n)).tolist() for n in rng.integers(16, 161, size=48)]
         greedy = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
         for _ in range(2):  # the second call is timed
             t = time.perf_counter()
@@ -69,8 +70,8 @@ def child(tree: str, model: str, what: str, a) -> dict:
         ap = argparse.ArgumentParser()
         add_request_args(ap)
         ra = ap.parse_args(["--dataset", "sharegpt-like", "--num-prompts", str(a.num_prompts)])
-        requests = make_requests(ra, 1024)
         llm = LLM(model, max_num_seqs=256, max_model_len=512)
+        requests = make_requests(ra, llm.llm_engine.model_config.vocab_size)
         for _ in range(2):
             res = run_paged_jax(llm, ra, requests)
         return dict(output_tokens_per_s=sum(r.output_len for r in requests) / res["elapsed"])
@@ -81,7 +82,7 @@ def child(tree: str, model: str, what: str, a) -> dict:
         engine = llm.llm_engine
         runs, alone = [], []
         for rep in range(2):  # the first of each compiles the shapes it reaches
-            prompt = rng.integers(3, 1024, size=a.prompt_len).tolist()
+            prompt = rng.integers(3, engine.model_config.vocab_size, size=a.prompt_len).tolist()
             runs.append(stutter_run(engine, a.streams, prompt, 20, 5, rng, f"r{rep}"))
             alone.append(stutter_alone(engine, prompt, f"r{rep}"))
         r = runs[-1]

@@ -82,14 +82,14 @@ def test_batch_is_token_flat_with_query_tiles():
     chunks = [SeqChunk([7], 9, [3, 4, 5]), SeqChunk(list(range(19)), 4, [1, 2, 6, 8, 9, 10]),
               SeqChunk([5, 6], 0, [11])]
     b = prepare_batch(chunks, BS, tile_size=8)
-    assert b.num_tokens == 22 and b.shape_key == (32, 32, 8, tile_capacity(32, 8)) == (32, 32, 8, 8)
+    assert b.num_tokens == 22 and b.shape_key == (32, 32, 8, tile_capacity(32, 8)) == (32, 32, 8, 5)
     np.testing.assert_array_equal(b.input_ids[:22], [7] + list(range(19)) + [5, 6])
     np.testing.assert_array_equal(b.last_token[:3], [0, 19, 21])
     # The 19-token chunk is three tiles (8, 8, 3), the 2-token prompt one; the decode none.
     np.testing.assert_array_equal(b.tile_seq[:4], [1, 1, 1, 2])
     np.testing.assert_array_equal(b.tile_query_lens[:4], [8, 8, 3, 2])
     np.testing.assert_array_equal(b.tile_context_lens[:4], [4 + 8, 4 + 16, 4 + 19, 2])
-    assert b.token_tile[0] == 8 and list(b.token_tile[1:22]) == [0] * 8 + [1] * 8 + [2] * 3 + [3] * 2
+    assert b.token_tile[0] == 5 and list(b.token_tile[1:22]) == [0] * 8 + [1] * 8 + [2] * 3 + [3] * 2
     assert (b.tile_seq[4:] == 32).all() and (b.tile_query_lens[4:] == 0).all()
     # A decode step has no tiles, and its rows are its sequences' bucket.
     d = prepare_batch([SeqChunk([1], 5, [2, 3]), SeqChunk([2], 3, [4])], BS, tile_size=8)
@@ -99,7 +99,7 @@ def test_batch_is_token_flat_with_query_tiles():
 def test_a_step_splits_only_when_its_tiles_overflow():
     decodes = [SeqChunk([1], 5, [1, 2])] * 6
     assert split_steps(decodes + [SeqChunk([1] * 300, 0, list(range(80)))]) == [list(range(7))]
-    many = [SeqChunk([1] * 3, 0, [1])] * 40  # 40 short prompts: 40 tiles, a 128-token bucket holds 8
+    many = [SeqChunk([1] * 3, 0, [1])] * 40  # 40 short prompts: 40 tiles, a 128-token bucket holds 5
     parts = split_steps(many)
     assert sum(parts, []) == list(range(40)) and len(parts) > 1
     for part in parts:

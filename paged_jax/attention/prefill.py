@@ -83,7 +83,8 @@ def _blockwise(q, k_cache, v_cache, block_tables, context_lens, query_lens, scal
     G = H // KVH
     qc = max(1, min(Q, q_chunk))
     nq = -(-Q // qc)
-    ppc = max(1, kv_chunk // block_size)  # pages per K/V chunk
+    # Pages per K/V chunk: no more than the tables hold (a chunk past them would only gather null blocks).
+    ppc = max(1, min(kv_chunk // block_size, block_tables.shape[1]))
     lc = ppc * block_size
     B = block_tables.shape[1]
     nkv = -(-B // ppc)

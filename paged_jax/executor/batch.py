@@ -74,10 +74,10 @@ def num_tiles(query_len: int, tile_size: int = TILE_SIZE) -> int:
 
 
 def tile_capacity(num_tokens_bucket: int, tile_size: int = TILE_SIZE) -> int:
-    """Query tiles a step of ``num_tokens_bucket`` tokens has room for: twice what its tokens fill
-    (so up to that many sequences may each leave a tile part empty), at least 4. Tied to the token
-    bucket so that a step's shape has no dimension of its own for tiles."""
-    return max(4, 2 * num_tokens_bucket // tile_size)
+    """Query tiles a step of ``num_tokens_bucket`` tokens has room for: what its tokens fill, plus one
+    part-empty tile per 32 tokens (room for that many short prompts), at least 4. Tied to the
+    token bucket so that a step's shape has no dimension of its own for tiles."""
+    return max(4, num_tokens_bucket // tile_size + num_tokens_bucket // 32)
 
 
 def step_buckets(num_tokens: int, num_seqs: int, min_tokens: int = 8) -> tuple[int, int]:
