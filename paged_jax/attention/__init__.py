@@ -11,6 +11,8 @@ prefill chunks together.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from paged_jax.attention.backends import (AUTO, NATIVE, REFERENCE, NativeBackend, ReferenceBackend,
@@ -49,8 +51,15 @@ def paged_attention_layer(q, k, v, kv_cache, *, meta: AttentionMetadata, spec: A
     """
     k_cache, v_cache = write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
     T, H, D = q.shape
+    rows = meta
+    if meta.num_tiles:
+        # Sequences with several new tokens get their outputs from their tiles: in the decode
+        # call they are rows with nothing to attend to, like padded rows, and cost nothing.
+        single = meta.query_lens == 1
+        rows = dataclasses.replace(meta, context_lens=jnp.where(single, meta.context_lens, 0),
+                                   query_lens=jnp.where(single, 1, 0))
     # Padded rows' last_token is 0: their query is any token's, and their output is never read.
-    out = backend.decode(q[meta.last_token], k_cache, v_cache, meta, spec)
+    out = backend.decode(q[meta.last_token], k_cache, v_cache, rows, spec)
     out = out.at[meta.token_seq].get(mode="fill", fill_value=0)
     if meta.num_tiles:
         N, Qt = meta.num_tiles, meta.tile_size

@@ -139,7 +139,10 @@ class ReferenceBackend:
 
     def decode(self, q, k_cache, v_cache, meta, spec: AttentionSpec):
         hooks = self._hooks(spec)
-        if hooks["score_mod"] is None and hooks["mask_mod"] is None:
+        # A step with prefill tokens has a row per token, most of them empty: the blockwise path
+        # reads K/V only up to each group of rows' longest context (none for empty groups), where
+        # the decode layout gathers every row's whole table.
+        if hooks["score_mod"] is None and hooks["mask_mod"] is None and not getattr(meta, "num_tiles", 0):
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, spec.scale)
         # One query per row, the newest (padded rows have no query: their output is unspecified).
         one = dataclasses.replace(meta, query_lens=jnp.minimum(meta.query_lens, 1))

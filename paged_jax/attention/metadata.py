@@ -32,11 +32,11 @@ import jax.numpy as jnp
 
 from paged_jax.memory.block_allocator import NULL_BLOCK
 
-# Queries per tile. Each tile gathers its sequence's K/V on its own (in the reference's blockwise
-# prefill), so small tiles repeat that gather; large ones pad short prompts more. 128 ran fastest
-# on the CPU for a 240-token chunk at a 4k context and for short prompts alike (32 and 64 were up
-# to 2x slower on the chunk).
-TILE_SIZE = 128
+# Queries per tile: the default chunked-prefill budget, so that a chunk is one tile. Each tile
+# gathers its sequence's K/V on its own (the reference's blockwise prefill), so a chunk cut into
+# small tiles repeats that gather (tiles of 32 made a 240-token chunk at a 4k context 2.5x slower
+# on the CPU); a short prompt pads only its attention queries, not the model's tokens.
+TILE_SIZE = 256
 
 
 def array_field(*dims: str, **kw):

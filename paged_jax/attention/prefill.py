@@ -36,6 +36,7 @@ from paged_jax.attention import kv_quant
 from paged_jax.attention.reference import MaskMod, ScoreMod
 
 _NEG = -1e30  # masked score (finite: a row that sees nothing stays NaN-free)
+ROWS_PER_GROUP = 32  # at most: one long row in a group makes the whole group read that far
 
 
 def blockwise_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, *,
@@ -57,13 +58,13 @@ def blockwise_prefill_attention(q, k_cache, v_cache, block_tables, context_lens,
     context_lens = jnp.asarray(context_lens, jnp.int32)
     query_lens = jnp.asarray(query_lens, jnp.int32)
     S, Q = q.shape[:2]
-    g = max(1, min(S, q_chunk // max(Q, 1)))  # rows per group: about q_chunk queries
-    if g == 1 or g >= S:
+    g = max(1, min(S, q_chunk // max(Q, 1), ROWS_PER_GROUP))  # rows per group: about q_chunk queries
+    if g >= S:
         return _blockwise(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, score_mod, mask_mod,
                           sliding_window, q_chunk, kv_chunk)
-    # Many short rows (the query tiles of a ragged step): a group of rows at a time, each group's
-    # K/V walk stopping at its own causal bound (consecutive tiles of one sequence have about the
-    # same), rather than every row walking to the batch's longest.
+    # Many rows (the query tiles of a ragged step): a group of rows at a time, each group's K/V
+    # walk stopping at its own causal bound (consecutive tiles of one sequence have about the
+    # same; a group of padded tiles walks none), rather than every row walking to the longest.
     n = -(-S // g)
 
     def rows(x):
