@@ -132,14 +132,19 @@ SHORT_LENGTHS = (24, 40, 56, 72)
 LONG_LENGTH = 3_100
 
 
-@pytest.mark.parametrize("variant", [LLAMA, pytest.param(OPT, marks=pytest.mark.slow),
-                                     pytest.param(GPT2, marks=pytest.mark.slow)])
-def test_long_prompt_in_chunks_beside_decodes_matches_hf(hf_model_dir, variant):
+# "auto" is the native decode kernel where it builds (as here), else "reference"; "reference" runs
+# decodes through jnp too (both prefill blockwise in jnp)
+@pytest.mark.parametrize("variant, backend", [(LLAMA, "auto"),
+                                              pytest.param(LLAMA, "reference", marks=pytest.mark.slow),
+                                              pytest.param(OPT, "auto", marks=pytest.mark.slow),
+                                              pytest.param(GPT2, "auto", marks=pytest.mark.slow)])
+def test_long_prompt_in_chunks_beside_decodes_matches_hf(hf_model_dir, variant, backend):
     path = hf_model_dir(variant)
     # The short requests come first: they are prefilled in the first step and then decode in every
     # step while the long prompt runs chunk by chunk, so the steps mix decodes and chunks.
     prompts = [random_prompt(n, seed=n) for n in SHORT_LENGTHS] + [random_prompt(LONG_LENGTH, seed=1)]
-    llm = LLM(model=str(path), max_num_batched_tokens=BUDGET, max_num_seqs=8, num_kv_blocks=512)
+    llm = LLM(model=str(path), max_num_batched_tokens=BUDGET, max_num_seqs=8, num_kv_blocks=512,
+              attention_backend=backend)
     assert llm.llm_engine.scheduler_config.enable_chunked_prefill  # the default
     with recorded_steps(llm) as steps:
         outputs = generate(llm, prompts)
