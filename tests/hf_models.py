@@ -63,6 +63,21 @@ HF_VARIANTS = {
                                                        "short_factor": [1.0 + 0.2 * i for i in range(6)],
                                                        "long_factor": [3.0 + 0.5 * i for i in range(6)]})),
     "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, initializer_range=0.15)),
+    # Long-prompt variants (tests/test_long_prompts.py): room for 4,096 positions.
+    # llama3 RoPE over an original context of 1,024: with head_dim 32 (wavelengths 2*pi*10000^(i/16)),
+    # frequencies 0-6 keep their wavelength (< 256), 7-8 are smoothed and 9-15 are divided by 8, so
+    # prompts of 3,000+ tokens sit far beyond the original context in all three regimes.
+    "llama_long_llama3": ("LlamaConfig", dict(hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                              num_attention_heads=4, num_key_value_heads=2,
+                                              max_position_embeddings=4096, rope_theta=10000.0,
+                                              initializer_range=0.15, tie_word_embeddings=False,
+                                              rope_scaling={"rope_type": "llama3", "factor": 8.0,
+                                                            "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                                            "original_max_position_embeddings": 1024})),
+    "opt_long": ("OPTConfig", dict(hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+                                   max_position_embeddings=4096, word_embed_proj_dim=64,
+                                   do_layer_norm_before=True, init_std=0.15)),
+    "gpt2_long": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=4096, initializer_range=0.15)),
 }
 FAMILY_OF = {"LlamaConfig": "llama", "OPTConfig": "opt", "GPT2Config": "gpt2", "Qwen2Config": "qwen2",
              "MistralConfig": "mistral", "Qwen3Config": "qwen3",
