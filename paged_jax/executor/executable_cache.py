@@ -48,6 +48,22 @@ logger = logging.getLogger("paged_jax")
 
 FORMAT = 1  # bump when the entry layout changes
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: paged_jax/ and pallas_kernels/
+# An executable that JAX's persistent cache loaded serializes without some of its functions (XLA:CPU,
+# jaxlib 0.10.2: "Function ... not found" when the stored copy runs), so an entry is written only
+# from a fresh compile: one with an option that JAX keeps in its cache key (a dump setting, inert
+# unless XLA dumps), so that no entry of the plain ``jit`` path is found, and with JAX's writes off
+# for it, so that none is ever made under that key either (see ``_fresh_compile``).
+FRESH_COMPILE = {"xla_dump_large_constants": True}
+_persistent_cache_hits = 0  # in this process: a compile during which one happened is not stored
+
+
+def _count_hits(event: str, **_) -> None:
+    global _persistent_cache_hits
+    if event == "/jax/compilation_cache/cache_hits":
+        _persistent_cache_hits += 1
+
+
+jax.monitoring.register_event_listener(_count_hits)
 
 
 def cache_dir() -> Optional[Path]:
@@ -126,8 +142,11 @@ class ExecutableCache:
         path, text = self._entry(shape_key, all_logits)
         compiled = self._load(path, text)
         if compiled is None:
-            compiled = lower().compile()
-            self._store(path, text, compiled)
+            compiled, fresh = _fresh_compile(lower())
+            if fresh:
+                self._store(path, text, compiled)
+            else:
+                logger.warning("compiled step %s came from JAX's persistent cache; not stored", path)
         return compiled
 
     def _load(self, path: Path, text: str):
@@ -166,6 +185,19 @@ class ExecutableCache:
             self.stored += 1
         except Exception as e:  # a read-only disk, an executable this JAX cannot serialize: run without
             logger.warning("could not store compiled step %s: %s", path, e)
+
+
+def _fresh_compile(lowered) -> tuple["jax.stages.Compiled", bool]:
+    """``lowered`` compiled by XLA, not read from JAX's persistent cache (see FRESH_COMPILE);
+    and whether it was."""
+    hits = _persistent_cache_hits
+    min_time = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))  # JAX writes nothing
+    try:
+        compiled = lowered.compile(compiler_options=FRESH_COMPILE)
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_time)
+    return compiled, _persistent_cache_hits == hits
 
 
 def for_runner(config, backend, params, kv_caches, mesh=None) -> Optional[ExecutableCache]:
