@@ -6,15 +6,21 @@ persistent compilation cache only, and with the serialized step executables, sid
 Each row is a new child process (``--child``) on the same model and requests: the GPT-2-shaped model
 of experiments/bench_peers.py (512 wide, 8 layers, 8 heads, float32, random weights; its vocabulary is
 what the bundled tokenizer learns, about 700 tokens), prompts of 16-160 tokens (uniform, seeded), every
-request ``--output-len`` tokens, greedy, all at once. Per round, in a new cache directory:
+request ``--output-len`` tokens, greedy, all at once. Per round, in two new cache directories:
 
-- ``empty``: nothing cached (both caches on, so this run fills them: a new user's first start);
-- ``jax cache only``: JAX's persistent cache warm, ``PAGED_JAX_NO_EXECUTABLE_CACHE=1``;
-- ``executables``: both warm (the default second start).
+- ``empty``: nothing cached, the default settings (this run stores the step executables);
+- ``executables``: the default second start, loading them;
+- ``empty, no executables``: nothing cached, ``PAGED_JAX_NO_EXECUTABLE_CACHE=1`` (JAX's persistent
+  cache alone, as before the executables; this run fills it);
+- ``JAX cache only``: the second start of that (tracing and lowering every step shape, XLA's compile
+  read from JAX's cache).
+
+A step compiled for the executable cache is not written to JAX's persistent cache (see
+``paged_jax/executor/executable_cache.py``), hence the two directories.
 
 Printed per row: ``LLM(...)`` seconds, time to first token of the first call (from ``generate``),
 the first call's and the same process's second call's output tokens/s, the first over the second,
-the step shapes the executable cache loaded and stored, and the seconds JAX spent tracing, lowering
+the step shapes the executable cache loaded (and the seconds that took) and stored, and the seconds JAX spent tracing, lowering
 and compiling the step and everything else (sampler, cache ops). The machine is shared: compare
 rows within one round.
 """
@@ -34,7 +40,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script: import this checkout's paged_jax
     sys.path.insert(0, str(ROOT))
-MODES = {"empty": {}, "jax cache only": {"PAGED_JAX_NO_EXECUTABLE_CACHE": "1"}, "executables": {}}
+OFF = {"PAGED_JAX_NO_EXECUTABLE_CACHE": "1"}
+# (row, cache directory of the round, extra environment), in the order they run
+MODES = [("empty", "a", {}), ("executables", "a", {}),
+         ("empty, no executables", "b", OFF), ("JAX cache only", "b", OFF)]
 
 
 def child(model: str, num_prompts: int, output_len: int) -> dict:
@@ -81,6 +90,7 @@ def child(model: str, num_prompts: int, output_len: int) -> dict:
     cache = engine.runner.executable_cache
     return {"import_s": t0 - t_import, "llm_s": t1 - t0, "first": runs[0], "second": runs[1],
             "loaded": cache.loaded if cache else 0, "stored": cache.stored if cache else 0,
+            "load_s": cache.load_seconds if cache else 0.0,
             "compile_step_s": compile_s["step"], "compile_other_s": compile_s["other"],
             "tokens": [o.outputs[0].token_ids for o in outs][:4]}
 
@@ -105,12 +115,12 @@ def main(argv=None):
                                         n_head=8, n_positions=512))
         print(f"{a.num_prompts} requests, prompts 16-160 tokens, {a.output_len} output tokens each; "
               "a fresh process per row")
-        print(f"{'round':>5} {'cache':<15} {'LLM() s':>8} {'TTFT s':>7} {'1st tok/s':>10} {'2nd tok/s':>10} "
-              f"{'1st/2nd':>8} {'loaded':>7} {'stored':>7} {'step compile s':>15} {'other compile s':>16}")
+        print(f"{'round':>5} {'cache':<22} {'LLM() s':>8} {'TTFT s':>7} {'1st tok/s':>10} {'2nd tok/s':>10} "
+              f"{'1st/2nd':>8} {'loaded':>7} {'load s':>7} {'stored':>7} {'step compile s':>15} {'other compile s':>16}")
         tokens = None
         for r in range(a.rounds):
-            cache = Path(tmp) / f"cache-{r}"  # empty at the start of each round
-            for mode, extra in MODES.items():
+            for mode, directory, extra in MODES:
+                cache = Path(tmp) / f"cache-{r}{directory}"  # empty at the start of each round
                 env = dict(os.environ, PAGED_JAX_COMPILE_CACHE=str(cache), JAX_PLATFORMS="cpu", **extra)
                 for k in ("PAGED_JAX_NO_COMPILE_CACHE", "PAGED_JAX_NO_EXECUTABLE_CACHE"):
                     if k not in extra:
@@ -124,8 +134,8 @@ def main(argv=None):
                 tokens = tokens or s["tokens"]
                 same = "" if s["tokens"] == tokens else "  (tokens differ!)"
                 f, n = s["first"], s["second"]
-                print(f"{r:>5} {mode:<15} {s['llm_s']:8.2f} {f['ttft']:7.2f} {f['tok_s']:10.1f} {n['tok_s']:10.1f} "
-                      f"{f['tok_s'] / n['tok_s']:8.2f} {s['loaded']:7d} {s['stored']:7d} {s['compile_step_s']:15.2f} "
+                print(f"{r:>5} {mode:<22} {s['llm_s']:8.2f} {f['ttft']:7.2f} {f['tok_s']:10.1f} {n['tok_s']:10.1f} "
+                      f"{f['tok_s'] / n['tok_s']:8.2f} {s['loaded']:7d} {s['load_s']:7.2f} {s['stored']:7d} {s['compile_step_s']:15.2f} "
                       f"{s['compile_other_s']:16.2f}{same}", flush=True)
 
 

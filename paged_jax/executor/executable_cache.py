@@ -37,6 +37,7 @@ import logging
 import os
 import pickle
 import tempfile
+import time
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -132,6 +133,7 @@ class ExecutableCache:
     def __init__(self, directory: Path, key: str):
         self.directory, self.key = Path(directory), key
         self.loaded = self.stored = 0  # counts, for tests and benchmarks
+        self.load_seconds = 0.0  # reading and loading entries, hits and misses
 
     def _entry(self, shape_key, all_logits: bool) -> tuple[Path, str]:
         text = f"{self.key}\nshape={tuple(shape_key)}\nall_logits={bool(all_logits)}"
@@ -140,7 +142,9 @@ class ExecutableCache:
     def get(self, shape_key, all_logits: bool, lower: Callable[[], "jax.stages.Lowered"]) -> "jax.stages.Compiled":
         """The compiled step for this shape: loaded from disk, or ``lower().compile()`` and stored."""
         path, text = self._entry(shape_key, all_logits)
+        t0 = time.perf_counter()
         compiled = self._load(path, text)
+        self.load_seconds += time.perf_counter() - t0
         if compiled is None:
             compiled, fresh = _fresh_compile(lower())
             if fresh:
