@@ -35,7 +35,9 @@ print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "native": na
 
 
 def test_second_start_loads_programs_from_the_cache(tiny_llama_dir, tmp_path):
-    env = dict(os.environ, PAGED_JAX_COMPILE_CACHE=str(tmp_path / "cache"), JAX_PLATFORMS="cpu")
+    # JAX's cache alone: compiled steps on disk (tests/test_executable_cache.py) would skip it.
+    env = dict(os.environ, PAGED_JAX_COMPILE_CACHE=str(tmp_path / "cache"), JAX_PLATFORMS="cpu",
+               PAGED_JAX_NO_EXECUTABLE_CACHE="1")
     env.pop("PAGED_JAX_NO_COMPILE_CACHE", None)
 
     def start():

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax.attention import AUTO, kv_quant, select_backend
+from paged_jax.executor import executable_cache
 from paged_jax.executor.batch import Batch, SeqChunk, bucket, prepare_batch, split_steps, warmup_shapes
 from paged_jax.executor.interface import RowSampling, Sample, StepResult, check_sampling
 from paged_jax.memory import cache_ops
@@ -129,6 +130,8 @@ class ModelRunner:
         self._executables: dict = {}  # (shape_key, all_logits) -> compiled step, filled by warm_up
         self._step = jax.jit(make_step(config, self.attn), static_argnums=(3,), donate_argnums=(1,),
                              out_shardings=out_shardings)
+        # Compiled steps on disk (None when off): a fresh process skips tracing and lowering.
+        self.executable_cache = executable_cache.for_runner(config, self.attn, self.params, self.kv_caches, mesh)
         self._sample_step = 0
         self.timings = {"prepare": 0.0, "cache_ops": 0.0, "device": 0.0, "sample": 0.0}
 
@@ -144,6 +147,8 @@ class ModelRunner:
         key = (batch.shape_key, all_logits)
         self._compiled.add(key)
         compiled = self._executables.get(key)
+        if compiled is None and self.executable_cache is not None:  # first use: load or compile, and store
+            compiled = self._executables[key] = self._compile(batch, all_logits)
         if compiled is not None:
             logits, self.kv_caches = compiled(self.params, self.kv_caches, batch)
         else:
@@ -166,8 +171,7 @@ class ModelRunner:
             bar = tqdm(total=len(shapes), desc="Compiling step shapes", dynamic_ncols=True)
         try:
             for key in shapes:
-                self._executables[(key, False)] = self._step.lower(self.params, self.kv_caches, Batch.abstract(key),
-                                                                   False).compile()
+                self._executables[(key, False)] = self._compile(Batch.abstract(key), False)
                 self._compiled.add((key, False))
                 if bar is not None:
                     bar.update(1)
@@ -197,6 +201,16 @@ class ModelRunner:
                 jax.block_until_ready(_take_rows(logits, np.zeros(n, np.int32)))
                 n *= 2
         return len(shapes)
+
+    def _compile(self, batch: Batch, all_logits: bool) -> "jax.stages.Compiled":
+        """The step compiled for ``batch``'s shape (arrays or ``Batch.abstract``): from the executable
+        cache when it holds it (stored there when compiled here), else lowered and compiled."""
+        def lower():
+            return self._step.lower(self.params, self.kv_caches, batch, all_logits)
+
+        if self.executable_cache is None:
+            return lower().compile()
+        return self.executable_cache.get(batch.shape_key, all_logits, lower)
 
     # ---- one engine step -----------------------------------------------------
     def execute(self, out: SchedulerOutput, sampling: Sequence[RowSampling] = (),

@@ -1,0 +1,222 @@
+"""The on-disk cache of compiled step programs: a fresh process loads them instead of tracing,
+lowering and compiling.
+
+JAX's persistent compilation cache (see ``enable_compilation_cache``) skips XLA's compile, but it
+is keyed by the lowered program, so every step shape still pays for tracing and lowering (about
+0.3 s each on the CPU). This cache stores the compiled executable itself
+(``jax.experimental.serialize_executable``) under a key computed *without* tracing: everything
+that decides the step's code, which is
+
+- the versions of JAX and jaxlib, the platform and its devices, ``XLA_FLAGS``;
+- the source of paged-jax (every ``.py`` file of ``paged_jax`` and ``pallas_kernels``) and the
+  native kernels' library file, whose FFI targets the step calls;
+- the model config (dtype, KV cache dtype and attention variants included) and the attention
+  backend's name;
+- the abstract params (pytree structure with its static fields, which carry the quantization
+  and weight layout, and each leaf's shape and dtype) and KV cache (block size, pool size,
+  storage dtype);
+- the step's ``Batch.shape_key`` and ``all_logits``.
+
+An entry is a file named by a hash of that key, holding the key's full text beside the executable:
+a file whose text differs (a hash collision, a hand-copied file) is not loaded, and a file that
+cannot be read or loaded is compiled again and overwritten, with a warning. Loading runs the
+pickle-based ``deserialize_and_load``: the directory must be as trusted as the code itself.
+Backends registered by user code (their Python hooks cannot be keyed without tracing) and
+tensor-parallel runners are not cached here (they still have JAX's persistent cache).
+
+Where: ``executables/`` inside JAX's cache directory (``~/.cache/paged_jax/jax_cache``, moved by
+``PAGED_JAX_COMPILE_CACHE``); ``PAGED_JAX_NO_COMPILE_CACHE=1`` turns both off,
+``PAGED_JAX_NO_EXECUTABLE_CACHE=1`` only this one.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+import pickle
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+import jax
+import jaxlib
+from jax.experimental import serialize_executable
+
+logger = logging.getLogger("paged_jax")
+
+FORMAT = 1  # bump when the entry layout changes
+ROOT = Path(__file__).resolve().parents[2]  # the checkout: paged_jax/ and pallas_kernels/
+# An executable that JAX's persistent cache loaded serializes without some of its functions (XLA:CPU,
+# jaxlib 0.10.2: "Function ... not found" when the stored copy runs), so an entry is written only
+# from a fresh compile: one with an option that JAX keeps in its cache key (a dump setting, inert
+# unless XLA dumps), so that no entry of the plain ``jit`` path is found, and with JAX's writes off
+# for it, so that none is ever made under that key either (see ``_fresh_compile``).
+FRESH_COMPILE = {"xla_dump_large_constants": True}
+_persistent_cache_hits = 0  # in this process: a compile during which one happened is not stored
+
+
+def _count_hits(event: str, **_) -> None:
+    global _persistent_cache_hits
+    if event == "/jax/compilation_cache/cache_hits":
+        _persistent_cache_hits += 1
+
+
+jax.monitoring.register_event_listener(_count_hits)
+
+
+def cache_dir() -> Optional[Path]:
+    """The directory of entries, or None when switched off (see the module's docstring)."""
+    if os.environ.get("PAGED_JAX_NO_COMPILE_CACHE") or os.environ.get("PAGED_JAX_NO_EXECUTABLE_CACHE"):
+        return None
+    root = os.environ.get("PAGED_JAX_COMPILE_CACHE",
+                          os.path.join(os.path.expanduser("~"), ".cache", "paged_jax", "jax_cache"))
+    return Path(root) / "executables"
+
+
+@functools.lru_cache(maxsize=None)
+def source_digest() -> str:
+    """A hash of the Python source that traces into the step (any edit makes new keys)."""
+    h = hashlib.sha256()
+    for package in ("paged_jax", "pallas_kernels"):
+        for path in sorted((ROOT / package).rglob("*.py")):
+            h.update(str(path.relative_to(ROOT)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=None)
+def _file_digest(path: str) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def native_identity() -> str:
+    """The native kernels' library the step's FFI calls resolve to (its bytes' hash), or why none."""
+    from paged_jax import native
+
+    state = native.status()
+    return _file_digest(state["library"]) if state.get("ok") else f"none: {state.get('error', 'not loaded')}"
+
+
+def _abstract(tree) -> str:
+    """A pytree's structure (static fields included) and each leaf's shape, dtype and sharding."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return repr((str(treedef), [(tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None))) for x in leaves]))
+
+
+def runner_key(config, backend_name: str, params, kv_caches) -> str:
+    """Everything but the shape that decides a runner's step program, as text."""
+    devices = jax.devices()
+    parts = {
+        "format": FORMAT,
+        "jax": jax.__version__,
+        "jaxlib": jaxlib.__version__,
+        "platform": (devices[0].platform, devices[0].client.platform_version, devices[0].device_kind, len(devices)),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "x64": jax.config.jax_enable_x64,
+        "matmul_precision": str(jax.config.jax_default_matmul_precision),
+        "source": source_digest(),
+        "native": native_identity(),
+        "config": repr(config),
+        "backend": backend_name,
+        "params": _abstract(params),
+        "kv_caches": _abstract(kv_caches),
+    }
+    return "\n".join(f"{k}={v}" for k, v in parts.items())
+
+
+class ExecutableCache:
+    """Compiled steps of one runner on disk, by ``(shape_key, all_logits)``."""
+
+    def __init__(self, directory: Path, key: str):
+        self.directory, self.key = Path(directory), key
+        self.loaded = self.stored = 0  # counts, for tests and benchmarks
+        self.load_seconds = 0.0  # reading and loading entries, hits and misses
+
+    def _entry(self, shape_key, all_logits: bool) -> tuple[Path, str]:
+        text = f"{self.key}\nshape={tuple(shape_key)}\nall_logits={bool(all_logits)}"
+        return self.directory / f"step-{hashlib.sha256(text.encode()).hexdigest()[:32]}.jaxexe", text
+
+    def get(self, shape_key, all_logits: bool, lower: Callable[[], "jax.stages.Lowered"]) -> "jax.stages.Compiled":
+        """The compiled step for this shape: loaded from disk, or ``lower().compile()`` and stored."""
+        path, text = self._entry(shape_key, all_logits)
+        t0 = time.perf_counter()
+        compiled = self._load(path, text)
+        self.load_seconds += time.perf_counter() - t0
+        if compiled is None:
+            compiled, fresh = _fresh_compile(lower())
+            if fresh:
+                self._store(path, text, compiled)
+            else:
+                logger.warning("compiled step %s came from JAX's persistent cache; not stored", path)
+        return compiled
+
+    def _load(self, path: Path, text: str):
+        try:
+            with open(path, "rb") as f:
+                entry = pickle.load(f)
+        except FileNotFoundError:
+            return None
+        except Exception as e:
+            logger.warning("unreadable compiled step %s, compiling it again: %s", path, e)
+            return None
+        if not isinstance(entry, dict) or entry.get("key") != text:
+            logger.warning("compiled step %s was made for another key, compiling it again", path)
+            return None
+        try:
+            compiled = serialize_executable.deserialize_and_load(entry["executable"], entry["in_tree"],
+                                                                 entry["out_tree"])
+        except Exception as e:
+            logger.warning("compiled step %s did not load, compiling it again: %s", path, e)
+            return None
+        self.loaded += 1
+        return compiled
+
+    def _store(self, path: Path, text: str, compiled) -> None:
+        try:
+            executable, in_tree, out_tree = serialize_executable.serialize(compiled)
+            self.directory.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(suffix=".tmp", dir=self.directory)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    pickle.dump({"key": text, "executable": executable, "in_tree": in_tree, "out_tree": out_tree}, f)
+                os.replace(tmp, path)  # atomic: a reader sees the old entry or the new one, never half
+            finally:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+            self.stored += 1
+        except Exception as e:  # a read-only disk, an executable this JAX cannot serialize: run without
+            logger.warning("could not store compiled step %s: %s", path, e)
+
+
+def _fresh_compile(lowered) -> tuple["jax.stages.Compiled", bool]:
+    """``lowered`` compiled by XLA, not read from JAX's persistent cache (see FRESH_COMPILE);
+    and whether it was."""
+    hits = _persistent_cache_hits
+    min_time = jax.config.jax_persistent_cache_min_compile_time_secs
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", float("inf"))  # JAX writes nothing
+    try:
+        compiled = lowered.compile(compiler_options=FRESH_COMPILE)
+    finally:
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", min_time)
+    return compiled, _persistent_cache_hits == hits
+
+
+def for_runner(config, backend, params, kv_caches, mesh=None) -> Optional[ExecutableCache]:
+    """The cache for a runner's step, or None: switched off, tensor parallelism, or a backend
+    that user code registered."""
+    directory = cache_dir()
+    if directory is None or mesh is not None or not _builtin(backend):
+        return None
+    return ExecutableCache(directory, runner_key(config, backend.name, params, kv_caches))
+
+
+def _builtin(backend) -> bool:
+    """Whether ``backend`` is one paged-jax defines (its code is in :func:`source_digest`)."""
+    from pallas_kernels.backend import PALLAS, PALLAS_INTERPRET
+
+    from paged_jax.attention.backends import NATIVE, REFERENCE
+
+    return any(backend is b for b in (REFERENCE, NATIVE, PALLAS, PALLAS_INTERPRET))

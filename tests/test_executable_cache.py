@@ -1,0 +1,168 @@
+"""The on-disk cache of compiled steps (``paged_jax.executor.executable_cache``): a second process
+loads them and traces nothing, with the same tokens; an entry made for another key is never loaded;
+a corrupt entry is compiled again with a warning; the switches turn it off."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+SCRIPT = r"""
+import json, sys
+from collections import Counter
+import jax, jax.monitoring
+
+events = Counter()
+def listen(event, seconds, fun_name="", **_):
+    if event.startswith("/jax/core/compile/"):
+        events["step" if fun_name in ("step", "jit(step)") else "other"] += 1
+jax.monitoring.register_event_duration_secs_listener(listen)
+
+from paged_jax import LLM, SamplingParams, native
+
+llm = LLM(sys.argv[1], seed=0, num_kv_blocks=32, block_size=8, max_num_seqs=4)
+runner = llm.llm_engine.runner
+before = jax.tree.leaves(runner.kv_caches)
+outs = llm.generate(prompt_token_ids=[[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18]],
+                    sampling_params=SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+cache = runner.executable_cache
+print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "native": native.available(),
+                  "on": cache is not None, "loaded": cache.loaded if cache else 0,
+                  "stored": cache.stored if cache else 0, "step_events": events["step"],
+                  "donated": all(x.is_deleted() for x in before)}))
+"""
+
+
+def _start(model, cache: Path, **env):
+    env = {**{k: v for k, v in os.environ.items() if not k.startswith("PAGED_JAX_NO_")},
+           "PAGED_JAX_COMPILE_CACHE": str(cache), "JAX_PLATFORMS": "cpu", **env}
+    res = subprocess.run([sys.executable, "-c", SCRIPT, str(model)], env=env, cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stderr[-3000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_second_process_loads_the_steps_and_traces_none(tiny_llama_dir, tmp_path):
+    from paged_jax import native
+
+    cache = tmp_path / "cache"
+    off = _start(tiny_llama_dir, cache, PAGED_JAX_NO_EXECUTABLE_CACHE="1")  # the plain jit path
+    assert not off["on"] and not (cache / "executables").exists()
+    cold = _start(tiny_llama_dir, cache)
+    assert cold["on"] and cold["stored"] > 0 and cold["loaded"] == 0 and cold["step_events"] > 0
+    warm = _start(tiny_llama_dir, cache)
+    assert warm["loaded"] == cold["stored"] and warm["stored"] == 0
+    assert warm["step_events"] == 0  # neither traced, lowered nor compiled
+    assert warm["tokens"] == cold["tokens"] == off["tokens"]
+    # The KV cache was donated through the loaded programs (updated in place), which held the
+    # native kernels' FFI calls where this machine has them.
+    assert warm["donated"] and cold["donated"]
+    assert warm["native"] == native.available()
+
+
+# ---- in one process: keys, corrupt entries, switches ----------------------------------------
+@pytest.fixture
+def cache_dir(tmp_path, monkeypatch):
+    from paged_jax.executor import executable_cache
+
+    monkeypatch.delenv("PAGED_JAX_NO_COMPILE_CACHE", raising=False)
+    monkeypatch.delenv("PAGED_JAX_NO_EXECUTABLE_CACHE", raising=False)
+    monkeypatch.setattr(executable_cache, "cache_dir", lambda: tmp_path / "executables")
+    return tmp_path / "executables"
+
+
+SHAPE = (8, 2, 4, 0)  # a decode step of two sequences
+
+
+def _runner(model, **kw):
+    from paged_jax import LLM
+
+    args = dict(seed=0, num_kv_blocks=16, block_size=8, max_num_seqs=2, swap_space=0)
+    return LLM(str(model), **{**args, **kw}).llm_engine.runner
+
+
+def _compile(runner):
+    """The runner's step for SHAPE, through the cache; returns how many entries it loaded."""
+    from paged_jax.executor.batch import Batch
+
+    cache = runner.executable_cache
+    before = cache.loaded
+    runner._compile(Batch.abstract(SHAPE), False)
+    return cache.loaded - before
+
+
+def test_a_changed_key_never_loads_another_entry(tiny_llama_dir, cache_dir, monkeypatch):
+    import jax
+
+    from paged_jax.executor import executable_cache
+
+    assert _compile(_runner(tiny_llama_dir)) == 0  # stored
+    assert len(list(cache_dir.glob("*.jaxexe"))) == 1
+    assert _compile(_runner(tiny_llama_dir)) == 1  # the same key loads it
+    assert _compile(_runner(tiny_llama_dir, block_size=16)) == 0  # other KV cache shapes
+    assert _compile(_runner(tiny_llama_dir, dtype="bfloat16")) == 0
+    assert _compile(_runner(tiny_llama_dir, kv_cache_dtype="int8")) == 0
+    with monkeypatch.context() as m:
+        m.setattr(executable_cache, "native_identity", lambda: "another build of the native kernels")
+        assert _compile(_runner(tiny_llama_dir)) == 0
+    with monkeypatch.context() as m:
+        m.setattr(jax, "__version__", "0.0.1")
+        assert _compile(_runner(tiny_llama_dir)) == 0
+    assert len(list(cache_dir.glob("*.jaxexe"))) == 6
+    assert _compile(_runner(tiny_llama_dir)) == 1  # the first entry is still there and still loads
+
+
+def test_an_entry_under_another_name_is_not_loaded(tiny_llama_dir, cache_dir, caplog):
+    """A file whose stored key differs from the one its name stands for (a hash collision, a copied
+    file) is compiled again, and replaced."""
+    _compile(_runner(tiny_llama_dir, block_size=16))
+    (made,) = cache_dir.glob("*.jaxexe")
+    runner = _runner(tiny_llama_dir)
+    path, _ = runner.executable_cache._entry(SHAPE, False)
+    shutil.copy(made, path)
+    with caplog.at_level(logging.WARNING, logger="paged_jax"):
+        assert _compile(runner) == 0
+    assert "another key" in caplog.text
+    assert _compile(_runner(tiny_llama_dir)) == 1  # overwritten with the right one
+
+
+def test_a_corrupt_entry_compiles_again_with_a_warning(tiny_llama_dir, cache_dir, caplog):
+    runner = _runner(tiny_llama_dir)
+    _compile(runner)
+    (path,) = cache_dir.glob("*.jaxexe")
+    path.write_bytes(path.read_bytes()[:1000])  # a half-written file
+    with caplog.at_level(logging.WARNING, logger="paged_jax"):
+        assert _compile(_runner(tiny_llama_dir)) == 0
+    assert "unreadable compiled step" in caplog.text
+    assert _compile(_runner(tiny_llama_dir)) == 1  # overwritten, loads again
+
+
+@pytest.mark.parametrize("switch", ["PAGED_JAX_NO_EXECUTABLE_CACHE", "PAGED_JAX_NO_COMPILE_CACHE"])
+def test_switches_turn_it_off(tiny_llama_dir, tmp_path, monkeypatch, switch):
+    from paged_jax.executor import executable_cache
+
+    monkeypatch.setenv("PAGED_JAX_COMPILE_CACHE", str(tmp_path))
+    monkeypatch.delenv("PAGED_JAX_NO_COMPILE_CACHE", raising=False)
+    assert executable_cache.cache_dir() == tmp_path / "executables"
+    monkeypatch.setenv(switch, "1")
+    assert executable_cache.cache_dir() is None
+    monkeypatch.delenv("PAGED_JAX_COMPILE_CACHE")  # JAX's own cache stays where the session has it
+    assert _runner(tiny_llama_dir).executable_cache is None
+
+
+def test_user_registered_backends_are_not_cached(tiny_llama_dir, cache_dir):
+    """Their Python hooks are not in the key (only paged-jax's own source is)."""
+    from paged_jax.attention import ReferenceBackend, register_backend
+
+    register_backend(ReferenceBackend("test-executable-cache-user-backend"))
+    runner = _runner(tiny_llama_dir, attention_backend="test-executable-cache-user-backend")
+    assert runner.executable_cache is None
