@@ -69,6 +69,15 @@ def test_second_process_loads_the_steps_and_traces_none(tiny_llama_dir, tmp_path
     assert warm["native"] == native.available()
 
 
+def test_a_process_with_several_devices_loads_single_device_steps(tiny_llama_dir, tmp_path):
+    """A tensor-parallel size of 1 in a process that sees several devices: the loaded program runs
+    on the default device, as it was compiled (left to itself it wanted a shard per device)."""
+    flags = {"XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
+    cold = _start(tiny_llama_dir, tmp_path / "cache", **flags)
+    warm = _start(tiny_llama_dir, tmp_path / "cache", **flags)
+    assert cold["stored"] > 0 and warm["loaded"] == cold["stored"] and warm["tokens"] == cold["tokens"]
+
+
 # ---- in one process: keys, corrupt entries, switches ----------------------------------------
 @pytest.fixture
 def cache_dir(tmp_path, monkeypatch):

@@ -104,8 +104,11 @@ def test_a_step_splits_only_when_its_tiles_overflow():
     assert sum(parts, []) == list(range(40)) and len(parts) > 1
     for part in parts:
         n = sum(len(many[i].token_ids) for i in part)
-        prepare_batch([many[i] for i in part], BS)  # raises if its tiles did not fit
-        assert sum(num_tiles(len(many[i].token_ids)) for i in part) <= tile_capacity(max(8, 1 << (n - 1).bit_length()))
+        bucket = max(8, 1 << (n - 1).bit_length())
+        assert sum(num_tiles(len(many[i].token_ids)) for i in part) <= tile_capacity(bucket)
+        assert prepare_batch([many[i] for i in part], BS).shape_key[3] == tile_capacity(bucket)
+    # Unsplit, the batch still holds every tile, in a shape of its own.
+    assert prepare_batch(many, BS).shape_key == (128, 128, 4, 64)
 
 
 def test_engine_runs_a_mixed_step_as_one_model_call(tiny_llama_dir, monkeypatch):

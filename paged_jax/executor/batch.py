@@ -111,7 +111,8 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, min_tokens: int = 8, 
                   tile_size: int = TILE_SIZE) -> Batch:
     """Pad ``chunks`` into one ragged, token-flat batch. The token, sequence and block-table
     dimensions are each rounded up to a power of two (:func:`step_buckets`); the query tiles
-    are :func:`tile_capacity` of the token bucket, or none in a decode step."""
+    are :func:`tile_capacity` of the token bucket (more if the chunks need more: :func:`split_steps`
+    keeps to the capacity), or none in a decode step."""
     S = len(chunks)
     T = sum(len(c.token_ids) for c in chunks)
     # Only the blocks holding the tokens so far: a table reserved further ahead (the Orca policies)
@@ -120,10 +121,8 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, min_tokens: int = 8, 
     Tp, Sp = step_buckets(T, S, min_tokens)
     Bp = bucket(max_b, min_blocks)
     need = sum(num_tiles(len(c.token_ids), tile_size) for c in chunks)
-    Np = tile_capacity(Tp, tile_size) if need else 0
-    if need > Np:
-        raise ValueError(f"{need} query tiles do not fit a step of {Tp} tokens ({Np}); split the chunks "
-                         "with split_steps")
+    # More tiles than the token bucket holds (chunks not grouped by split_steps): a shape of its own.
+    Np = 0 if not need else max(tile_capacity(Tp, tile_size), bucket(need))
 
     input_ids = np.zeros(Tp, np.int32)
     positions = np.zeros(Tp, np.int32)

@@ -166,8 +166,11 @@ class ExecutableCache:
             logger.warning("compiled step %s was made for another key, compiling it again", path)
             return None
         try:
+            # On the default device, as the step was compiled: left to itself, loading assigns the
+            # program to every local device (a 4-device process then wants 4 shards of each input).
             compiled = serialize_executable.deserialize_and_load(entry["executable"], entry["in_tree"],
-                                                                 entry["out_tree"])
+                                                                 entry["out_tree"],
+                                                                 execution_devices=jax.devices()[:1])
         except Exception as e:
             logger.warning("compiled step %s did not load, compiling it again: %s", path, e)
             return None
