@@ -13,7 +13,7 @@ import logging
 import time
 from typing import Optional, Union
 
-from paged_jax.engine_args import EngineArgs, build_engine_parts
+from paged_jax.engine_args import DYNAMIC_ROPE_SHARING, EngineArgs, build_engine_parts
 from paged_jax.beam_search import BeamState, beam_step, num_candidates
 from paged_jax.executor.interface import Executor, RowSampling
 from paged_jax.memory.block_manager import BlockManager
@@ -158,6 +158,8 @@ class LLMEngine:
         start with it map those blocks instead of recomputing them, with or without
         automatic prefix caching. Runs the engine until the prefix is computed;
         returns a handle for :meth:`release_prefix`."""
+        if self.model_config is not None and self.model_config.rope_type == "dynamic":
+            raise ValueError(DYNAMIC_ROPE_SHARING)
         rid = f"__prefix_{next(self._seq_counter)}"
         self.add_request(rid, prompt, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True),
                          prompt_token_ids=prompt_token_ids)

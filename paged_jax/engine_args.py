@@ -16,6 +16,12 @@ from paged_jax.scheduler import SchedulerConfig
 logger = logging.getLogger("paged_jax")
 
 
+# Dynamic NTK rotates a prompt's keys for its request's prompt length (ModelConfig.rope_frequencies),
+# so blocks computed for one request are wrong for another (forks of one request share its length).
+DYNAMIC_ROPE_SHARING = ("prefix sharing across requests (enable_prefix_caching, add_prefix) is not supported with "
+                        "dynamic RoPE scaling: a prompt's keys are rotated for its own request's prompt length")
+
+
 @dataclass
 class EngineArgs:
     """The engine's options, with vLLM's names and defaults (see ``LLM``)."""
@@ -118,10 +124,12 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     eos_token_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else (
         min(eos_token_ids) if eos_token_ids else None)
 
-    max_model_len = args.max_model_len or mc.max_position_embeddings
-    if max_model_len > mc.max_position_embeddings:
-        raise ValueError(f"max_model_len={max_model_len} exceeds the model's max_position_embeddings="
-                         f"{mc.max_position_embeddings}")
+    max_model_len = args.max_model_len or mc.context_limit
+    if max_model_len > mc.context_limit:
+        raise ValueError(f"max_model_len={max_model_len} exceeds the model's context, {mc.context_limit} "
+                         f"(max_position_embeddings={mc.max_position_embeddings}, rope type {mc.rope_type!r})")
+    if args.enable_prefix_caching and mc.rope_type == "dynamic":
+        raise ValueError(DYNAMIC_ROPE_SHARING)
     budget = args.max_num_batched_tokens or (default_chunked_budget(args.max_num_seqs) if args.enable_chunked_prefill
                                              else max(max_model_len, 2048))
     scheduler_config = SchedulerConfig(args.max_num_seqs, budget, max_model_len, args.preemption_mode,

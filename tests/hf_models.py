@@ -62,6 +62,16 @@ HF_VARIANTS = {
                                          rope_scaling={"type": "longrope",
                                                        "short_factor": [1.0 + 0.2 * i for i in range(6)],
                                                        "long_factor": [3.0 + 0.5 * i for i in range(6)]})),
+    # dynamic NTK, factor 4 over an original context of 64 (max_position_embeddings): prompts and
+    # generations cross it (tests/test_rope_dynamic.py)
+    "llama_dynamic": ("LlamaConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          initializer_range=0.15, tie_word_embeddings=False,
+                                          rope_scaling={"rope_type": "dynamic", "factor": 4.0})),
+    "qwen2_dynamic": ("Qwen2Config", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                          initializer_range=0.15, tie_word_embeddings=True,
+                                          rope_scaling={"type": "dynamic", "factor": 3.0})),
     "gpt2": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=512, initializer_range=0.15)),
     # Long-prompt variants (tests/test_long_prompts.py): room for 4,096 positions.
     # llama3 RoPE over an original context of 1,024: with head_dim 32 (wavelengths 2*pi*10000^(i/16)),

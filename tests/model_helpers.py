@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from paged_jax.executor.batch import SeqChunk, prepare_batch
+from paged_jax.executor.batch import SeqChunk, prepare_batch, split_steps
 from paged_jax.executor.model_runner import ModelRunner
 
 
@@ -28,9 +28,14 @@ class PagedRunner:
         logits = self.runner.run_batch(b, all_logits=True)
         return np.asarray(logits)[: b.num_tokens], b
 
+    def run_step(self, chunks):
+        """Logits of every real token, in chunk order, of a step split as the model runner splits one
+        (:func:`split_steps`: many short prompts need more query tiles than one batch holds)."""
+        return np.concatenate([self.run([chunks[i] for i in part])[0] for part in split_steps(chunks)])
+
     def prefill_logits(self, prompts):
         tables = [self.table_for([], len(p)) for p in prompts]
-        logits, _ = self.run([SeqChunk(list(p), 0, t) for p, t in zip(prompts, tables)])
+        logits = self.run_step([SeqChunk(list(p), 0, t) for p, t in zip(prompts, tables)])
         out, t = [], 0
         for p in prompts:
             out.append(logits[t:t + len(p)])
@@ -43,8 +48,7 @@ class PagedRunner:
         tables = [self.table_for([], len(p)) for p in prompts]
         chunks = [SeqChunk(list(p), 0, t) for p, t in zip(prompts, tables)]
         for _ in range(max_new_tokens):
-            logits, b = self.run(chunks)
-            last = logits[b.logits_indices[: b.num_seqs]].copy()
+            last = self.run_step(chunks)[np.cumsum([len(c.token_ids) for c in chunks]) - 1]
             last[:, list(banned)] = -np.inf
             nxt = last.argmax(-1)
             chunks = []

@@ -57,9 +57,9 @@ def test_unknown_architecture(tmp_path, tiny_llama_dir):
 def test_unsupported_rope_type(tmp_path, tiny_llama_dir):
     d = copy(tiny_llama_dir, tmp_path / "m")
     cfg = json.loads((d / "config.json").read_text())
-    cfg["rope_scaling"] = {"rope_type": "dynamic", "factor": 2.0}
+    cfg["rope_scaling"] = {"rope_type": "mrope", "factor": 2.0}
     (d / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ModelLoadError, match="rope type 'dynamic' is not supported; supported: .*'yarn', 'longrope'"):
+    with pytest.raises(ModelLoadError, match="rope type 'mrope' is not supported; supported: .*'dynamic', .*'longrope'"):
         load_model(d)
     cfg["rope_scaling"] = {"rope_type": "yarn", "factor": 2.0}
     (d / "config.json").write_text(json.dumps(cfg))

@@ -183,14 +183,15 @@ def test_longrope_frequencies_and_their_switch_equal_transformers(hf_model_dir):
 
     path = hf_model_dir("phi3_longrope")
     hf_config = load_hf(path).config
-    inv, long_inv, switch, attention = load_config(path).rope_frequencies()
+    rope = load_config(path).rope_frequencies()
+    inv, long_inv, switch, attention = rope.inv_freq, rope.long_inv_freq, rope.switch, rope.attention_factor
     short_hf, attention_hf = ROPE_INIT_FUNCTIONS["longrope"](hf_config, None, seq_len=switch)
     long_hf, _ = ROPE_INIT_FUNCTIONS["longrope"](hf_config, None, seq_len=switch + 1)
     assert switch == 64 and attention == pytest.approx(attention_hf) and attention > 1
     np.testing.assert_allclose(inv, short_hf.numpy(), rtol=1e-6)
     np.testing.assert_allclose(long_inv, long_hf.numpy(), rtol=1e-6)
     x = jnp.asarray(np.random.default_rng(0).standard_normal((2, 1, 16)), jnp.float32)
-    got = np.asarray(apply_rope(x, jnp.asarray([switch - 1, switch]), (inv, long_inv, switch, attention)))
+    got = np.asarray(apply_rope(x, jnp.asarray([switch - 1, switch]), rope))
     for row, (p, freqs) in enumerate([(switch - 1, inv), (switch, long_inv)]):
         emb = np.concatenate([p * freqs, p * freqs])
         cos, sin, rot = np.cos(emb) * attention, np.sin(emb) * attention, 2 * len(freqs)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Optional
 
 import jax
 import numpy as np
@@ -25,6 +26,9 @@ class SeqChunk:
     token_ids: list[int]  # the tokens to run this step
     start_pos: int  # position of token_ids[0] (= tokens already in the cache)
     block_table: list[int]  # covers start_pos + len(token_ids) tokens (blocks past them are not sent)
+    # The request's original prompt length (a recomputed sequence reruns its generated tokens as
+    # prompt, but they keep theirs); None: the chunk ends the prompt (a whole prompt, or a decode).
+    prompt_len: Optional[int] = None
 
 
 @jax.tree_util.register_dataclass
@@ -36,6 +40,9 @@ class Batch(AttentionMetadata):
 
     input_ids: jax.Array = array_field("T")
     positions: jax.Array = array_field("T")
+    # Dynamic NTK RoPE's rotation length L = max(prompt length, position + 1) of each token: what
+    # transformers' generate rotates it for (ModelConfig.rope_frequencies). Others ignore it.
+    rope_lengths: jax.Array = array_field("T")
 
     @property
     def logits_indices(self):
@@ -126,6 +133,7 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, min_tokens: int = 8, 
 
     input_ids = np.zeros(Tp, np.int32)
     positions = np.zeros(Tp, np.int32)
+    rope_lengths = np.zeros(Tp, np.int32)
     slot_mapping = np.full(Tp, NULL_BLOCK * block_size, np.int32)
     token_seq = np.full(Tp, Sp, np.int32)  # out of range: padding is dropped
     token_qidx = np.zeros(Tp, np.int32)
@@ -150,6 +158,7 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, min_tokens: int = 8, 
         table = np.asarray(c.block_table[:-(-end // block_size)], np.int32)
         input_ids[t:t + n] = c.token_ids
         positions[t:t + n] = pos
+        rope_lengths[t:t + n] = np.maximum(end if c.prompt_len is None else c.prompt_len, pos + 1)
         slot_mapping[t:t + n] = table[pos // block_size] * block_size + pos % block_size
         token_seq[t:t + n] = s
         token_qidx[t:t + n] = np.arange(n)
@@ -166,8 +175,8 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, min_tokens: int = 8, 
             tile_query_lens[tile] = q
             tile += 1
         t += n
-    return Batch(input_ids=input_ids, positions=positions, slot_mapping=slot_mapping, token_seq=token_seq,
-                 token_qidx=token_qidx, token_tile=token_tile, token_tile_pos=token_tile_pos,
+    return Batch(input_ids=input_ids, positions=positions, rope_lengths=rope_lengths, slot_mapping=slot_mapping,
+                 token_seq=token_seq, token_qidx=token_qidx, token_tile=token_tile, token_tile_pos=token_tile_pos,
                  block_tables=block_tables, context_lens=context_lens, query_lens=query_lens, last_token=last_token,
                  tile_seq=tile_seq, tile_context_lens=tile_context_lens, tile_query_lens=tile_query_lens,
                  tile_size=tile_size)

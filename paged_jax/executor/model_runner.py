@@ -236,8 +236,8 @@ class ModelRunner:
         result = StepResult()
         if not out.scheduled:
             return result
-        chunks = [SeqChunk(r.seq.get_token_ids()[r.start_pos:r.start_pos + r.num_tokens], r.start_pos, r.block_table)
-                  for r in out.scheduled]
+        chunks = [SeqChunk(r.seq.get_token_ids()[r.start_pos:r.start_pos + r.num_tokens], r.start_pos, r.block_table,
+                           r.seq.get_prompt_len()) for r in out.scheduled]
         want_prompt = [i for i, s in enumerate(sampling) if s.prompt_logprobs is not None]
         all_logits = bool(want_prompt)
         # One ragged batch for the whole step (split only if its prefills need more query tiles

@@ -26,10 +26,13 @@ def forward(params, config: ModelConfig, input_ids, positions, kv_caches, meta, 
     the layer's :class:`AttentionSpec`, as ``attn(q, k, v, kv_cache) -> (out, kv_cache)``."""
     fam = FAMILIES[config.family]
     h = fam.embed(params, config, input_ids, positions)
+    # Dynamic NTK rotates each token for its own rotation length (the batch's, set from the request's
+    # prompt length): the layers pass the pair on to apply_rope as they pass positions.
+    layer_positions = (positions, meta.rope_lengths) if config.rope_type == "dynamic" else positions
     new_caches = []
     for i, (lp, kv) in enumerate(zip(params["layers"], kv_caches)):
         layer_attn = functools.partial(paged_attention_layer, meta=meta, spec=config.attention_spec(i), backend=attn)
-        h, kv = fam.layer(lp, config, h, positions, kv, layer_attn)
+        h, kv = fam.layer(lp, config, h, layer_positions, kv, layer_attn)
         new_caches.append(kv)
     return fam.final(params, config, h), new_caches
 

@@ -9,18 +9,28 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, NamedTuple, Optional
 
 import numpy as np
 
 from paged_jax.attention.spec import AttentionSpec
 from paged_jax.errors import ModelLoadError
 
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn", "longrope")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope")
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16",
           "fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "half": "float16",
           "float": "float32"}
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+class RopeFrequencies(NamedTuple):
+    """What :func:`~paged_jax.models.layers.apply_rope` needs: see :meth:`ModelConfig.rope_frequencies`."""
+
+    inv_freq: np.ndarray
+    long_inv_freq: Optional[np.ndarray] = None
+    switch: int = 0
+    attention_factor: float = 1.0
+    dynamic: Optional[tuple[float, float, int]] = None  # dynamic NTK: (rope_theta, factor, original context)
 
 
 @dataclass(frozen=True)
@@ -75,8 +85,20 @@ class ModelConfig:
             window = None
         return AttentionSpec(self.softmax_scale, window, self.attn_logit_softcap)
 
-    def rope_frequencies(self) -> tuple[np.ndarray, Optional[np.ndarray], int, float]:
-        """RoPE as transformers computes it: ``(inv_freq, long_inv_freq, switch, attention_factor)``.
+    @property
+    def rope_type(self) -> str:
+        return dict(self.rope_scaling or ()).get("rope_type", "default")
+
+    @property
+    def context_limit(self) -> int:
+        """The longest max_model_len: max_position_embeddings, which dynamic NTK stretches by its factor
+        (vLLM's rule; for transformers it is the original context the scaling starts from)."""
+        if self.rope_type == "dynamic":
+            return int(self.max_position_embeddings * dict(self.rope_scaling)["factor"])
+        return self.max_position_embeddings
+
+    def rope_frequencies(self) -> RopeFrequencies:
+        """RoPE as transformers computes it.
 
         ``inv_freq`` has one entry per rotated pair (``partial_rotary_factor`` of the head rotated);
         ``attention_factor`` scales cos and sin (yarn, longrope). ``longrope`` has a second set,
@@ -84,13 +106,24 @@ class ModelConfig:
         token's rotation depends on its position alone, so prefix caching, chunked prefill and
         preemption give the same keys. (transformers picks one set per forward call, by its longest
         position, and recomputes the cache when a sequence crosses over; the same tokens as here
-        while a sequence stays within the original context.)"""
+        while a sequence stays within the original context.)
+
+        ``dynamic`` (NTK) keeps ``inv_freq`` for sequences within ``max_position_embeddings`` (its
+        original context) and otherwise raises the base, per token, for the token's rotation length
+        L (``apply_rope``). transformers recomputes the frequencies in each forward call for that call's
+        longest position (``dynamic_rope_update``): ``generate`` runs the prompt in one call and each new
+        token in its own, and cached keys keep the rotation they were made with, so a token at position
+        p of a request whose prompt has P tokens is rotated for L = max(P, p + 1), whatever the chunking,
+        batching or preemption here. (Its module state, ``max_seq_len_cached`` and the reset below
+        ``original_max_seq_len``, only recomputes when L grows and resets when a call is shorter than
+        the original context: within one request L never shrinks, so a fresh model gives exactly
+        this; a model reused across requests can keep a longer earlier request's frequencies.)"""
         scaling = dict(self.rope_scaling or ())
         kind = scaling.get("rope_type", "default")
         dim = int(self.head_dim * scaling.get("partial_rotary_factor", 1.0))
         exponents = np.arange(0, dim, 2, dtype=np.int64).astype(np.float32) / dim
         inv = (1.0 / (self.rope_theta ** exponents)).astype(np.float32)
-        long_inv, switch, attention = None, 0, 1.0
+        long_inv, switch, attention, dynamic = None, 0, 1.0, None
         if kind == "linear":
             inv = inv / np.float32(scaling["factor"])
         elif kind == "llama3":
@@ -115,7 +148,9 @@ class ModelConfig:
             inv = (1.0 / (np.asarray(scaling["short_factor"], np.float32) * base)).astype(np.float32)
             long_inv = (1.0 / (np.asarray(scaling["long_factor"], np.float32) * base)).astype(np.float32)
             switch = int(old_len)
-        return inv, long_inv, switch, float(attention)
+        elif kind == "dynamic":
+            dynamic = (float(self.rope_theta), float(scaling["factor"]), int(self.max_position_embeddings))
+        return RopeFrequencies(inv, long_inv, switch, float(attention), dynamic)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -251,7 +286,7 @@ def rope_from_hf(cfg: dict, where: str) -> tuple[float, Optional[tuple]]:
         raise ModelLoadError(f"{where}: partial_rotary_factor must be in (0, 1], got {partial}")
     if kind == "default" and partial == 1.0:
         return theta, None
-    needed = {"default": [], "linear": ["factor"],
+    needed = {"default": [], "linear": ["factor"], "dynamic": ["factor"],
               "llama3": ["factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"],
               "yarn": ["original_max_position_embeddings"],
               "longrope": ["short_factor", "long_factor", "original_max_position_embeddings"]}[kind]

@@ -10,7 +10,8 @@ and is listed once in ``paged_jax.models.FAMILIES``. The record holds:
   ``lin(prefix, parallel)`` a :class:`~paged_jax.models.weights.DenseLinear` from ``prefix.weight``
   (and ``prefix.bias`` when present), ``parallel`` its tensor-parallel role;
 - the forward: ``embed(params, config, ids, positions)``, ``layer(layer_params, config, h, positions,
-  kv, attn)`` (which calls ``attn(q, k, v, kv)``), ``final(params, config, h)``;
+  kv, attn)`` (which calls ``attn(q, k, v, kv)``; with dynamic-NTK RoPE ``positions`` is the pair that
+  ``apply_rope`` takes), ``final(params, config, h)``;
 - a small configuration and tokenizer specials for ``paged-jax make-tiny`` (``tiny_config``,
   ``tiny_tokens``).
 """

@@ -34,11 +34,15 @@ ACTIVATIONS = {
 def apply_rope(x, positions, rope):
     """Rotary embedding in transformers' rotate-half layout, on the first ``2 * len(inv_freq)`` dims of
     each head (the rest pass through). x: [T, heads, head_dim]; ``rope``: the config's
-    :meth:`~paged_jax.models.config.ModelConfig.rope_frequencies`."""
-    inv_freq, long_inv_freq, switch, attention_factor = rope
+    :meth:`~paged_jax.models.config.ModelConfig.rope_frequencies`. With dynamic NTK, ``positions`` is
+    the pair ``(positions, rope_lengths)``: each token's position and its rotation length."""
+    inv_freq, long_inv_freq, switch, attention_factor, dynamic = rope
     inv = jnp.asarray(inv_freq)[None, :]
     if long_inv_freq is not None:  # longrope: the long set from position ``switch`` on
         inv = jnp.where(positions[:, None] >= switch, jnp.asarray(long_inv_freq)[None, :], inv)
+    if dynamic is not None:
+        positions, lengths = positions
+        inv = jnp.where(lengths[:, None] > dynamic[2], dynamic_ntk_inv_freq(lengths, len(inv_freq), *dynamic), inv)
     freqs = positions.astype(jnp.float32)[:, None] * inv  # [T, rotated / 2]
     emb = jnp.concatenate([freqs, freqs], axis=-1)
     cos, sin = jnp.cos(emb)[:, None, :], jnp.sin(emb)[:, None, :]
@@ -52,6 +56,17 @@ def apply_rope(x, positions, rope):
     if rot < x.shape[-1]:
         out = jnp.concatenate([out, xf[..., rot:]], axis=-1)
     return out.astype(x.dtype)
+
+
+def dynamic_ntk_inv_freq(lengths, num_freqs, theta, factor, original_len):
+    """[T, num_freqs] inverse frequencies of dynamic NTK for each token's rotation length L (> the
+    original context), in float32 and in the order of transformers' ``_compute_dynamic_ntk_parameters``:
+    the base becomes theta * (factor * L / original_len - (factor - 1)) ** (dim / (dim - 2))."""
+    dim = 2 * num_freqs
+    length = lengths.astype(jnp.float32)[:, None]
+    base = theta * ((factor * length / original_len) - (factor - 1)) ** (dim / (dim - 2))
+    exponents = jnp.arange(0, dim, 2, dtype=jnp.float32) / dim
+    return 1.0 / (base ** exponents[None, :])
 
 
 def split_heads(x, num_heads, head_dim):
