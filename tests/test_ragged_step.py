@@ -91,9 +91,10 @@ def test_batch_is_token_flat_with_query_tiles():
     np.testing.assert_array_equal(b.tile_context_lens[:4], [4 + 8, 4 + 16, 4 + 19, 2])
     assert b.token_tile[0] == 5 and list(b.token_tile[1:22]) == [0] * 8 + [1] * 8 + [2] * 3 + [3] * 2
     assert (b.tile_seq[4:] == 32).all() and (b.tile_query_lens[4:] == 0).all()
-    # A decode step has no tiles, and its rows are its sequences' bucket.
+    # A decode step has no tiles, and its rows are its sequences' bucket (no token minimum).
     d = prepare_batch([SeqChunk([1], 5, [2, 3]), SeqChunk([2], 3, [4])], BS, tile_size=8)
-    assert d.shape_key == (8, 2, 4, 0)
+    assert d.shape_key == (2, 2, 4, 0)
+    assert prepare_batch([SeqChunk([1], 5, [2, 3])], BS, tile_size=8).shape_key == (1, 1, 4, 0)
 
 
 def test_a_step_splits_only_when_its_tiles_overflow():

@@ -89,11 +89,13 @@ def tile_capacity(num_tokens_bucket: int, tile_size: int = TILE_SIZE) -> int:
 
 def step_buckets(num_tokens: int, num_seqs: int, min_tokens: int = 8) -> tuple[int, int]:
     """(T, S) buckets of a step: a decode step (every sequence one token) pads both to the
-    sequence bucket; a step with prefill tokens has as many sequence rows as token rows (one
-    bucket, ``T = S``, as a ragged batch can hold one sequence per token)."""
+    sequence bucket, with no token minimum (each padded token row is a row of every matmul:
+    eight rows for one sequence made the batch-1 step about a fifth slower on the CPU); a step
+    with prefill tokens has as many sequence rows as token rows (one bucket of at least
+    ``min_tokens``, ``T = S``, as a ragged batch can hold one sequence per token)."""
     if num_tokens == num_seqs:
         s = bucket(num_seqs)
-        return bucket(num_seqs, min_tokens), s
+        return s, s
     t = bucket(num_tokens, min_tokens)
     return t, t
 

@@ -247,21 +247,34 @@ class ModelRunner:
             batch = prepare_batch([chunks[i] for i in part], self.block_size)
             t2 = time.perf_counter()
             self.timings["prepare"] += t2 - t1
-            # Waiting here (sampling would anyway) keeps the device time apart from sampling's.
-            logits = jax.block_until_ready(self.run_batch(batch, all_logits=all_logits))
+            # No wait between the step and the sampler: the step is dispatched, and while the device
+            # runs it the host builds the sampling arrays and queues the sampler behind it, so that
+            # this host work and the sampler's dispatch hide under the step (at small batches they
+            # were a tenth of the step). The one wait is for the samples.
+            logits = self.run_batch(batch, all_logits=all_logits)
             t3 = time.perf_counter()
-            self.timings["device"] += t3 - t2
-            self._sample_part(out, sampling, part, logits, batch, all_logits, eos_token_id, result)
+            pending = self._dispatch_samples(out, sampling, part, logits, batch, all_logits, eos_token_id)
+            t4 = time.perf_counter()
+            # Waiting for the step here (the sampler is already queued behind it) costs no overlap and
+            # keeps the device time apart from sampling's: "device" is the step's dispatch plus what is
+            # left of it once the host work above is done.
+            jax.block_until_ready(logits)
+            t5 = time.perf_counter()
+            self.timings["device"] += (t3 - t2) + (t5 - t4)
+            self._collect_samples(sampling, pending, result)
             for b, i in enumerate(part):
                 if i in want_prompt:
                     result.prompt_logprobs[i] = self._prompt_logprobs(out.scheduled[i], sampling[i].prompt_logprobs,
                                                                       logits, batch, b)
-            self.timings["sample"] += time.perf_counter() - t3
+            self.timings["sample"] += (t4 - t3) + (time.perf_counter() - t5)
         return result
 
-    def _sample_part(self, out: SchedulerOutput, sampling: Sequence[RowSampling], part: list[int], logits,
-                     batch: Batch, all_logits: bool, eos_token_id: Optional[int], result: StepResult) -> None:
-        """Draw the samples ``sampling`` asks of the rows ``out.scheduled[part]`` from ``logits`` (one per batch row)."""
+    def _dispatch_samples(self, out: SchedulerOutput, sampling: Sequence[RowSampling], part: list[int], logits,
+                          batch: Batch, all_logits: bool, eos_token_id: Optional[int]):
+        """Queue the sampler for the samples ``sampling`` asks of the rows ``out.scheduled[part]``
+        from ``logits`` (one per batch row; possibly not computed yet). Returns ``(picks, outputs)``
+        for :meth:`_collect_samples`: the scheduled row of each sampler row, and the sampler's
+        output on the device; None when no row samples."""
         row_of_logits = batch.logits_indices if all_logits else np.arange(len(batch.logits_indices))
         # One sampler row per sample asked for: its scheduled row, and its batch row's logits.
         picks, rows, logit_rows = [], [], []
@@ -275,7 +288,7 @@ class ModelRunner:
                 logit_rows.append(row_of_logits[b])
                 rows.append((spec.params, seed, seq.prompt_token_ids, seq.output_token_ids))
         if not rows:
-            return
+            return None
         n = bucket(len(rows))
         idx = np.zeros(n, np.int32)
         idx[: len(rows)] = logit_rows
@@ -285,7 +298,14 @@ class ModelRunner:
         self._sample_step += 1
         # Every row samples (the usual case): the logits are already in order; padded rows are ignored.
         same = n == logits.shape[0] and np.array_equal(idx[: len(rows)], np.arange(len(rows)))
-        ids, lps, top_ids, top_lps = jax.device_get(sample(logits if same else _take_rows(logits, idx), tensors))
+        return picks, sample(logits if same else _take_rows(logits, idx), tensors)
+
+    def _collect_samples(self, sampling: Sequence[RowSampling], pending, result: StepResult) -> None:
+        """Wait for the sampler's outputs queued by :meth:`_dispatch_samples` and add them to ``result``."""
+        if pending is None:
+            return
+        picks, outputs = pending
+        ids, lps, top_ids, top_lps = jax.device_get(outputs)
         for r, i in enumerate(picks):
             spec = sampling[i]
             entry = None if spec.logprobs is None else make_logprobs_dict(ids[r], lps[r], top_ids[r], top_lps[r],

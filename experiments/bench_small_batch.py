@@ -1,0 +1,185 @@
+"""Small-batch decode: tokens/s, where an engine step's time goes, and the fraction of the
+roofline floor, for this checkout and an earlier revision side by side in one run.
+
+    python experiments/bench_small_batch.py [--before REV] [--batches 1,4] [--models tiny,124m]
+
+Models: ``tiny`` is the GPT-2-shaped model of the issue (512 wide, 8 layers, 8 heads, vocabulary
+1,024 asked, 703 in its tokenizer, random, float32); ``124m`` the GPT-2-124M shape
+(``bench_common.gpt2_124m_model``). For each model, revision and batch size, a fresh child process
+(``LLM`` with default options) runs ``batch`` greedy requests (``--prompt-len`` random tokens,
+``--output-len`` tokens each, EOS ignored) through ``LLMEngine.step`` and times the decode steps
+(the prefill step left out), ``--runs`` times; the fastest run is kept, with its split of the step
+from ``engine.get_stats()["timings"]`` (schedule, prepare, device, sample, process). Beside it, the
+jitted step alone (``ModelRunner.run_batch`` on a decode batch at the runs' mean context, waited for,
+the best of 50 calls). The floor is ``experiments/roofline.py``'s: the larger of FLOPs over the
+matmul rate and bytes (weights, K/V at the mean context, logits) over the read bandwidth, both
+measured in this run; "of floor" is floor / step time.
+
+The revisions alternate, ``--repeats`` times each, and the best figure of each is kept (a shared
+machine only slows a run down). ``--before`` is checked out into a temporary git worktree.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+BASE = "9066e7c"  # main before the small-batch work
+TINY = dict(family="gpt2", vocab_size=1024, n_embd=512, n_layer=8, n_head=8)
+PARTS = ("schedule", "prepare", "device", "sample", "process")
+
+
+def child(tree: str, model: str, batches: list[int], a) -> dict:
+    """Decode steps with ``tree``'s paged_jax (first on the path); one result per batch size."""
+    sys.path.insert(0, tree)
+    import jax
+    import numpy as np
+
+    from paged_jax import LLM, SamplingParams
+    from paged_jax.executor.batch import SeqChunk, prepare_batch
+
+    assert Path(__import__("paged_jax").__file__).resolve().is_relative_to(Path(tree).resolve())
+    llm = LLM(model, seed=0, max_model_len=a.prompt_len + a.output_len)
+    engine = llm.llm_engine
+    runner = engine.runner
+    vocab = engine.model_config.vocab_size
+    rng = np.random.default_rng(0)
+    params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
+    results = {}
+    for b in batches:
+        best = None
+        for run in range(a.runs + 1):  # the first run compiles the shapes it reaches
+            for i in range(b):
+                engine.add_request(f"b{b}r{run}s{i}", None, params,
+                                   prompt_token_ids=rng.integers(3, vocab, a.prompt_len).tolist())
+            engine.step()  # the prompts' prefill
+            before = engine.get_stats()["timings"]
+            steps, t = 0, time.perf_counter()
+            while engine.has_unfinished_requests():
+                engine.step()
+                steps += 1
+            wall = time.perf_counter() - t
+            after = engine.get_stats()["timings"]
+            if run == 0:
+                continue
+            r = {"step_ms": 1e3 * wall / steps, "tokens_per_s": b * steps / wall,
+                 **{k + "_ms": 1e3 * (after[k] - before[k]) / steps for k in PARTS}}
+            if best is None or r["step_ms"] < best["step_ms"]:
+                best = r
+        # The jitted step alone, at the runs' mean context (blocks past the pool's first are fine:
+        # nothing else runs now).
+        context = a.prompt_len + a.output_len // 2
+        per_seq = -(-context // runner.block_size)
+        chunks = [SeqChunk([7], context - 1, list(range(1 + s * per_seq, 1 + (s + 1) * per_seq))) for s in range(b)]
+        batch = prepare_batch(chunks, runner.block_size)
+        jax.block_until_ready(runner.run_batch(batch))
+        alone = []
+        for _ in range(50):
+            t = time.perf_counter()
+            jax.block_until_ready(runner.run_batch(batch))
+            alone.append(time.perf_counter() - t)
+        best["step_alone_ms"] = 1e3 * min(alone)
+        results[b] = best
+    return results
+
+
+def floors(model: str, batches: list[int], context: int, rate: float, bw: float) -> dict:
+    from roofline import step_cost
+
+    from paged_jax.parallel import load_for_serving
+    import jax
+    import numpy as np
+
+    cfg, params, _ = load_for_serving(model, "float32", 1)
+    num_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
+    out = {}
+    for b in batches:
+        flops, nbytes = step_cost(cfg, num_params, b, context)
+        out[b] = 1e3 * max(flops / rate, nbytes / bw)
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--before", default=BASE, help="the revision to compare with (git rev); 'none': this checkout only")
+    ap.add_argument("--models", default="tiny,124m")
+    ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--runs", type=int, default=3, help="timed runs per batch size in a child; the fastest is kept")
+    ap.add_argument("--repeats", type=int, default=2, help="children per revision and model, alternating")
+    ap.add_argument("--child", nargs=3, metavar=("TREE", "MODEL", "BATCHES"), help=argparse.SUPPRESS)
+    a = ap.parse_args(argv)
+    if a.child:
+        tree, model, batches = a.child
+        print("RESULT " + json.dumps(child(tree, model, [int(x) for x in batches.split(",")], a)), flush=True)
+        return
+    sys.path.insert(0, str(ROOT))
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from bench_common import gpt2_124m_model
+    from roofline import machine_limits
+
+    from paged_jax.models.tiny import make_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        trees = {"after": str(ROOT)}
+        if a.before != "none":
+            trees = {"before": os.path.join(tmp, "before"), **trees}
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", trees["before"], a.before],
+                           check=True, capture_output=True)
+        try:
+            models = {}
+            for name in a.models.split(","):
+                models[name] = (str(make_tiny_model(os.path.join(tmp, "tiny"), **TINY)) if name == "tiny"
+                                else gpt2_124m_model())
+            results = {}
+            for name, model in models.items():
+                for rep in range(a.repeats):
+                    for rev, tree in trees.items():
+                        cmd = [sys.executable, __file__, "--child", tree, model, ",".join(map(str, a.batches)),
+                               "--prompt-len", str(a.prompt_len), "--output-len", str(a.output_len),
+                               "--runs", str(a.runs)]
+                        out = subprocess.run(cmd, capture_output=True, text=True)
+                        line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+                        if out.returncode or not line:
+                            raise RuntimeError(f"{rev} {name} failed:\n{out.stderr[-3000:]}")
+                        for b, r in json.loads(line[0][7:]).items():
+                            print(name, rev, rep, b, {k: round(v, 3) for k, v in r.items()}, file=sys.stderr,
+                                  flush=True)
+                            best = results.setdefault((name, int(b), rev), r)
+                            if r["step_ms"] < best["step_ms"]:
+                                results[(name, int(b), rev)] = {**r, "step_alone_ms": min(r["step_alone_ms"],
+                                                                                          best["step_alone_ms"])}
+                            else:
+                                best["step_alone_ms"] = min(r["step_alone_ms"], best["step_alone_ms"])
+        finally:
+            if "before" in trees:
+                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", trees["before"]],
+                               capture_output=True)
+            rate, bw = machine_limits(10)
+            context = a.prompt_len + a.output_len // 2
+            floor = {name: floors(model, a.batches, context, rate, bw) for name, model in models.items()}
+    print(f"before: {a.before}; after: this checkout. Decode steps, greedy, prompts of {a.prompt_len} tokens, "
+          f"{a.output_len} out; floor at context {context}: float32 matmul {rate / 1e9:.0f} GFLOP/s, "
+          f"memory read {bw / 1e9:.1f} GB/s (measured now)\n")
+    print("| model | batch | rev | tokens/s | step ms | of floor | schedule | prepare | device | sample | process "
+          "| step alone ms | alone of floor |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for name in models:
+        for b in a.batches:
+            for rev in trees:
+                r, f = results[(name, b, rev)], floor[name][b]
+                print(f"| {name} | {b} | {rev} | {r['tokens_per_s']:.0f} | {r['step_ms']:.2f} | "
+                      f"{100 * f / r['step_ms']:.0f}% | " + " | ".join(f"{r[k + '_ms']:.2f}" for k in PARTS)
+                      + f" | {r['step_alone_ms']:.2f} | {100 * f / r['step_alone_ms']:.0f}% |")
+    print(f"\nfloor ms: " + ", ".join(f"{n} batch {b}: {floor[n][b]:.2f}" for n in models for b in a.batches))
+
+
+if __name__ == "__main__":
+    main()
