@@ -131,7 +131,9 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, min_tokens: int = 8, 
     Bp = bucket(max_b, min_blocks)
     need = sum(num_tiles(len(c.token_ids), tile_size) for c in chunks)
     # More tiles than the token bucket holds (chunks not grouped by split_steps): a shape of its own.
-    Np = 0 if not need else max(tile_capacity(Tp, tile_size), bucket(need))
+    Np = tile_capacity(Tp, tile_size) if need else 0
+    if need > Np:
+        Np = bucket(need)
 
     input_ids = np.zeros(Tp, np.int32)
     positions = np.zeros(Tp, np.int32)
