@@ -60,6 +60,27 @@ def _centred(q: np.ndarray, bits: int) -> np.ndarray:
     return (q.astype(np.int16) - (1 << (bits - 1))).astype(np.int8)
 
 
+def _group_size(group, method: str, where: str) -> int:
+    """A GPTQ / AWQ ``group_size`` checked: positive, or -1 for one group over the whole input."""
+    if not isinstance(group, int) or not (group == -1 or group > 0):
+        _refuse(where, f"{method} group_size {group!r}", "a positive group_size, or -1 (one group)")
+    return group
+
+
+class _OneScheme:
+    """These configs have no per-module groups: every quantized module has the one scheme."""
+
+    def scheme_for(self, module: str):
+        return self
+
+
+class _PackedInt(_OneScheme):
+    """GPTQ and AWQ: a module is stored quantized when its packed ``qweight`` is in the checkpoint."""
+
+    def stores_quantized(self, module: str, files) -> bool:
+        return module + ".qweight" in files
+
+
 def _groups(group_size: int, inp: int) -> tuple:
     """(rows per group, number of groups); a group size of -1 is one group over the whole input."""
     group = inp if group_size == -1 else group_size
@@ -95,26 +116,18 @@ def _quantized_linear(q, zero, scale, g_idx, bits: int, group: int, bias, parall
 # --- GPTQ -------------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class GPTQQuantization:
+class GPTQQuantization(_PackedInt):
     bits: int
     group_size: int  # -1: one group over the whole input
     desc_act: bool
     v1_zeros: bool  # checkpoint_format "gptq": zeros stored minus one
-
-    def stores_quantized(self, module: str, files) -> bool:
-        return module + ".qweight" in files
-
-    def scheme_for(self, module: str):
-        return self
 
     @classmethod
     def from_config(cls, qc: dict, where: str) -> "GPTQQuantization":
         bits = qc.get("bits")
         if bits not in GPTQ_BITS:
             _refuse(where, f"gptq with bits={bits!r}", [f"bits {b}" for b in GPTQ_BITS])
-        group = qc.get("group_size", -1)
-        if not isinstance(group, int) or not (group == -1 or group > 0):
-            _refuse(where, f"gptq group_size {group!r}", "a positive group_size, or -1 (one group)")
+        group = _group_size(qc.get("group_size", -1), "gptq", where)
         fmt = qc.get("checkpoint_format") or qc.get("format") or "gptq"
         if fmt not in GPTQ_FORMATS:
             _refuse(where, f"gptq checkpoint_format {fmt!r}", list(GPTQ_FORMATS))
@@ -158,16 +171,10 @@ def _awq_columns(packed) -> np.ndarray:
 
 
 @dataclasses.dataclass(frozen=True)
-class AWQQuantization:
+class AWQQuantization(_PackedInt):
     group_size: int
 
     bits = 4
-
-    def stores_quantized(self, module: str, files) -> bool:
-        return module + ".qweight" in files
-
-    def scheme_for(self, module: str):
-        return self
 
     @classmethod
     def from_config(cls, qc: dict, where: str) -> "AWQQuantization":
@@ -177,9 +184,7 @@ class AWQQuantization:
         version = str(qc.get("version", "gemm")).lower()
         if version not in AWQ_VERSIONS:
             _refuse(where, f"awq version {version!r}", list(AWQ_VERSIONS))
-        group = qc.get("group_size", qc.get("q_group_size", -1))
-        if not isinstance(group, int) or not (group == -1 or group > 0):
-            _refuse(where, f"awq group_size {group!r}", "a positive group_size, or -1 (one group)")
+        group = _group_size(qc.get("group_size", qc.get("q_group_size", -1)), "awq", where)
         return cls(group_size=group)
 
     def tensor_shapes(self, module: str, out: int, inp: int, available) -> dict:
@@ -198,7 +203,7 @@ class AWQQuantization:
 # --- vLLM's fp8 ------------------------------------------------------------------------------
 
 @dataclasses.dataclass(frozen=True)
-class FP8Quantization:
+class FP8Quantization(_OneScheme):
     block: Optional[tuple]  # (rows of out, columns of in) per scale; None: one scale per tensor
 
     @classmethod
@@ -225,9 +230,6 @@ class FP8Quantization:
     def stores_quantized(self, module: str, files) -> bool:
         # either name: a scale of the other kind is then reported missing, not read as a float weight
         return f"{module}.weight_scale" in files or f"{module}.weight_scale_inv" in files
-
-    def scheme_for(self, module: str) -> "FP8Quantization":
-        return self
 
     def tensor_shapes(self, module: str, out: int, inp: int, available) -> dict:
         p = module + "."
