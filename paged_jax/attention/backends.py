@@ -22,7 +22,6 @@ class with the three methods) and a :func:`register_backend` call
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Iterable, Optional
 
 import jax
@@ -142,11 +141,11 @@ class ReferenceBackend:
         # A step with prefill tokens has a row per token, most of them empty: the blockwise path
         # reads K/V only up to each group of rows' longest context (none for empty groups), where
         # the decode layout gathers every row's whole table.
-        if hooks["score_mod"] is None and hooks["mask_mod"] is None and not getattr(meta, "num_tiles", 0):
+        if hooks["score_mod"] is None and hooks["mask_mod"] is None and not meta.num_tiles:
             return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, spec.scale)
-        # One query per row, the newest (padded rows have no query: their output is unspecified).
-        one = dataclasses.replace(meta, query_lens=jnp.minimum(meta.query_lens, 1))
-        return self.prefill(q[:, None], k_cache, v_cache, one, spec)[:, 0]
+        # The layer's decode rows have query_lens 1, or 0 for rows with nothing to attend to (their
+        # output is unspecified): as a prefill of one query each, the newest.
+        return self.prefill(q[:, None], k_cache, v_cache, meta, spec)[:, 0]
 
 
 class NativeBackend:
