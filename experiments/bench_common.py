@@ -10,8 +10,12 @@ samples (top-p 1.0, no top-k, as vLLM's benchmark with 1.0); beam search: beams 
 
 from __future__ import annotations
 
+import contextlib
+import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -235,3 +239,31 @@ def describe_requests(requests: list[Request]) -> str:
 
 def max_len(requests: list[Request]) -> int:
     return max(len(r.prompt_token_ids) + r.output_len for r in requests)
+
+
+# ---- side by side with an earlier revision -------------------------------------
+@contextlib.contextmanager
+def revision_checkout(rev: Optional[str]):
+    """A temporary git worktree of this repository at ``rev`` (its path), removed afterwards;
+    ``None``: no checkout (yields None)."""
+    if rev is None:
+        yield None
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "tree")
+        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", path, rev], check=True,
+                       capture_output=True)
+        try:
+            yield path
+        finally:
+            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", path], capture_output=True)
+
+
+def child_result(cmd: list[str], what: str, env: Optional[dict] = None) -> dict:
+    """Run a benchmark's child process and return the JSON of its ``RESULT`` line (RuntimeError with
+    the end of its stderr when it fails)."""
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
+    if out.returncode or not line:
+        raise RuntimeError(f"{what} failed:\n{out.stderr[-3000:]}")
+    return json.loads(line[0][len("RESULT "):])

@@ -28,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -114,31 +113,24 @@ def main(argv=None):
     sys.path.insert(0, str(ROOT))
     from paged_jax.models.tiny import make_tiny_model
 
-    with tempfile.TemporaryDirectory() as tmp:
-        before = os.path.join(tmp, "before")
-        subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", before, a.before], check=True,
-                       capture_output=True)
-        try:
-            model = str(make_tiny_model(os.path.join(tmp, "model"), n_positions=a.prompt_len + 128, **MODEL))
-            env = dict(os.environ, PAGED_JAX_NO_COMPILE_CACHE="1")
-            results = {}
-            for what in a.what:
-                for rep in range(a.repeats):
-                    for name, tree in (("before", before), ("after", str(ROOT))):
-                        cmd = [sys.executable, __file__, "--child", tree, model, what, "--prompt-len",
-                               str(a.prompt_len), "--streams", str(a.streams), "--num-prompts", str(a.num_prompts)]
-                        out = subprocess.run(cmd, env=env, capture_output=True, text=True)
-                        line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-                        if out.returncode or not line:
-                            raise RuntimeError(f"{name} {what} failed:\n{out.stderr[-3000:]}")
-                        r = json.loads(line[0][7:])
-                        print(what, name, rep, r, file=sys.stderr, flush=True)
-                        # Best of the repeats: a shared machine only ever slows a run down.
-                        best = results.setdefault((what, name), r)
-                        for k, v in r.items():
-                            best[k] = max(best[k], v) if k in HIGHER_IS_BETTER else min(best[k], v)
-        finally:
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", before], capture_output=True)
+    sys.path.insert(0, str(ROOT / "experiments"))
+    from bench_common import child_result, revision_checkout
+
+    with tempfile.TemporaryDirectory() as tmp, revision_checkout(a.before) as before:
+        model = str(make_tiny_model(os.path.join(tmp, "model"), n_positions=a.prompt_len + 128, **MODEL))
+        env = dict(os.environ, PAGED_JAX_NO_COMPILE_CACHE="1")
+        results = {}
+        for what in a.what:
+            for rep in range(a.repeats):
+                for name, tree in (("before", before), ("after", str(ROOT))):
+                    cmd = [sys.executable, __file__, "--child", tree, model, what, "--prompt-len",
+                           str(a.prompt_len), "--streams", str(a.streams), "--num-prompts", str(a.num_prompts)]
+                    r = child_result(cmd, f"{name} {what}", env)
+                    print(what, name, rep, r, file=sys.stderr, flush=True)
+                    # Best of the repeats: a shared machine only ever slows a run down.
+                    best = results.setdefault((what, name), r)
+                    for k, v in r.items():
+                        best[k] = max(best[k], v) if k in HIGHER_IS_BETTER else min(best[k], v)
     print(f"before: {a.before}; after: this checkout; GPT-2-shaped model (512 wide, 8 layers), float32, CPU\n")
     print("| measure | before | after | after / before |\n|---|---:|---:|---:|")
     for what in a.what:

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
@@ -128,44 +127,33 @@ def main(argv=None):
 
     from paged_jax.models.tiny import make_tiny_model
 
-    with tempfile.TemporaryDirectory() as tmp:
-        trees = {"after": str(ROOT)}
-        if a.before != "none":
-            trees = {"before": os.path.join(tmp, "before"), **trees}
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", trees["before"], a.before],
-                           check=True, capture_output=True)
-        try:
-            models = {}
-            for name in a.models.split(","):
-                models[name] = (str(make_tiny_model(os.path.join(tmp, "tiny"), **TINY)) if name == "tiny"
-                                else gpt2_124m_model())
-            results = {}
-            for name, model in models.items():
-                for rep in range(a.repeats):
-                    for rev, tree in trees.items():
-                        cmd = [sys.executable, __file__, "--child", tree, model, ",".join(map(str, a.batches)),
-                               "--prompt-len", str(a.prompt_len), "--output-len", str(a.output_len),
-                               "--runs", str(a.runs)]
-                        out = subprocess.run(cmd, capture_output=True, text=True)
-                        line = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-                        if out.returncode or not line:
-                            raise RuntimeError(f"{rev} {name} failed:\n{out.stderr[-3000:]}")
-                        for b, r in json.loads(line[0][7:]).items():
-                            print(name, rev, rep, b, {k: round(v, 3) for k, v in r.items()}, file=sys.stderr,
-                                  flush=True)
-                            best = results.setdefault((name, int(b), rev), r)
-                            if r["step_ms"] < best["step_ms"]:
-                                results[(name, int(b), rev)] = {**r, "step_alone_ms": min(r["step_alone_ms"],
-                                                                                          best["step_alone_ms"])}
-                            else:
-                                best["step_alone_ms"] = min(r["step_alone_ms"], best["step_alone_ms"])
-        finally:
-            if "before" in trees:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", trees["before"]],
-                               capture_output=True)
-            rate, bw = machine_limits(10)
-            context = a.prompt_len + a.output_len // 2
-            floor = {name: floors(model, a.batches, context, rate, bw) for name, model in models.items()}
+    from bench_common import child_result, revision_checkout
+
+    with tempfile.TemporaryDirectory() as tmp, revision_checkout(None if a.before == "none" else a.before) as before:
+        trees = {"after": str(ROOT)} if before is None else {"before": before, "after": str(ROOT)}
+        models = {}
+        for name in a.models.split(","):
+            models[name] = (str(make_tiny_model(os.path.join(tmp, "tiny"), **TINY)) if name == "tiny"
+                            else gpt2_124m_model())
+        results = {}
+        for name, model in models.items():
+            for rep in range(a.repeats):
+                for rev, tree in trees.items():
+                    cmd = [sys.executable, __file__, "--child", tree, model, ",".join(map(str, a.batches)),
+                           "--prompt-len", str(a.prompt_len), "--output-len", str(a.output_len),
+                           "--runs", str(a.runs)]
+                    for b, r in child_result(cmd, f"{rev} {name}").items():
+                        print(name, rev, rep, b, {k: round(v, 3) for k, v in r.items()}, file=sys.stderr,
+                              flush=True)
+                        best = results.setdefault((name, int(b), rev), r)
+                        if r["step_ms"] < best["step_ms"]:
+                            results[(name, int(b), rev)] = {**r, "step_alone_ms": min(r["step_alone_ms"],
+                                                                                      best["step_alone_ms"])}
+                        else:
+                            best["step_alone_ms"] = min(r["step_alone_ms"], best["step_alone_ms"])
+        rate, bw = machine_limits(10)
+        context = a.prompt_len + a.output_len // 2
+        floor = {name: floors(model, a.batches, context, rate, bw) for name, model in models.items()}
     print(f"before: {a.before}; after: this checkout. Decode steps, greedy, prompts of {a.prompt_len} tokens, "
           f"{a.output_len} out; floor at context {context}: float32 matmul {rate / 1e9:.0f} GFLOP/s, "
           f"memory read {bw / 1e9:.1f} GB/s (measured now)\n")
