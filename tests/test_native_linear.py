@@ -211,35 +211,63 @@ def test_avx512_tiles_where_the_cpu_has_them(monkeypatch, tiny_llama_dir):
     assert not _packed_layers(runner)
 
 
-def _quantized(rng, K, N, bits, groups, per_tensor=False):
-    """A QuantizedLinear of random int8 / int4 values, its scales and its float weight (numpy)."""
+def _quantized(rng, K, N, bits, groups, per_tensor=False, zero=False, act_order=False):
+    """A QuantizedLinear of random int8 / int4 values, its scales (zero points, activation-order
+    ``g_idx`` when asked) and its float weight (numpy, float64)."""
     from paged_jax.models.quantization import _pack_nibbles
     from paged_jax.models.weights import QuantizedLinear
 
     top = 1 << (bits - 1)
     q = rng.integers(-top, top, size=(K, N)).astype(np.int8)
     scale = rng.uniform(0.01, 0.1, size=(groups, 1 if per_tensor else N)).astype(np.float32)
+    zeros = rng.integers(-top, top, size=scale.shape).astype(np.int8) if zero else None
+    g_idx = rng.permutation(np.arange(K) // (K // groups)).astype(np.int32) if act_order else None
     values = _pack_nibbles(q) if bits == 4 else q
-    p = QuantizedLinear(jnp.asarray(values), jnp.asarray(scale), bits=bits, in_features_=K,
+    p = QuantizedLinear(jnp.asarray(values), jnp.asarray(scale), zero=None if zeros is None else jnp.asarray(zeros),
+                        g_idx=None if g_idx is None else jnp.asarray(g_idx), bits=bits, in_features_=K,
                         block=(K // groups, N if per_tensor else 1))
-    return p, q.astype(np.float64) * np.repeat(scale, K // groups, axis=0).astype(np.float64)
+    rows = np.arange(K) // (K // groups) if g_idx is None else g_idx  # the scale row of each weight row
+    w = q.astype(np.float64)
+    if zeros is not None:
+        w = w - zeros[rows].astype(np.float64)
+    return p, w * scale[rows].astype(np.float64)
 
 
 @needs_native
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("M", [1, 7, 9, 33])
+@pytest.mark.parametrize("M", [1, 4, 5, 9, 33])
 @pytest.mark.parametrize("K,N,groups,per_tensor", [(64, 96, 1, False), (128, 80, 4, False), (256, 48, 2, False),
-                                                   (32, 16, 1, True)])
-def test_quantized_linear_matches_numpy(bits, M, K, N, groups, per_tensor):
+                                                   (32, 16, 1, True), (384, 32, 3, False)])
+@pytest.mark.parametrize("zero,act_order", [(False, False), (True, False), (True, True)])
+def test_quantized_linear_matches_numpy(bits, M, K, N, groups, per_tensor, zero, act_order):
+    """Register tiles (up to 4 rows) and float32 slabs (more rows; K 384 is three slabs), with and
+    without zero points and activation order, against numpy and against XLA's dequantizing matmul."""
+    if act_order and groups == 1:
+        pytest.skip("one group: activation order changes nothing")
     rng = np.random.default_rng(M * 100 + K + N + bits)
-    p, w = _quantized(rng, K, N, bits, groups, per_tensor)
+    p, w = _quantized(rng, K, N, bits, groups, per_tensor, zero, act_order)
     assert native.quantized_packable(p)
     x = rng.standard_normal((M, K)).astype(np.float32)
-    panels, scales = native.pack_quantized(p)
-    got = np.asarray(jax.jit(native.linear_quantized, static_argnums=3)(jnp.asarray(x), panels, scales, bits))
+    panels, scales, zeros, order = native.pack_quantized(p)
+    assert (zeros is not None) == zero and (order is not None) == act_order
+    xs = jnp.asarray(x if order is None else x[:, np.asarray(order)])
+    got = np.asarray(jax.jit(native.linear_quantized, static_argnums=3)(xs, panels, scales, bits, zeros))
     np.testing.assert_allclose(got[:, :N], x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5 * np.sqrt(K))
     # the same weight through XLA (QuantizedLinear's own matmul) agrees
     np.testing.assert_allclose(np.asarray(p(jnp.asarray(x))), got[:, :N], rtol=1e-5, atol=1e-5 * np.sqrt(K))
+
+
+@needs_native
+@pytest.mark.parametrize("bits", [8, 4])
+def test_register_tiles_and_float_slabs_agree_to_the_bit(bits):
+    """Rows 0-3 of a 12-row product (float32 slabs) equal the same rows run alone (register tiles)."""
+    rng = np.random.default_rng(bits)
+    p, _ = _quantized(rng, 256, 96, bits, 2, zero=True)
+    panels, scales, zeros, _ = native.pack_quantized(p)
+    x = jnp.asarray(rng.standard_normal((12, 256)).astype(np.float32))
+    f = jax.jit(native.linear_quantized, static_argnums=3)
+    np.testing.assert_array_equal(np.asarray(f(x, panels, scales, bits, zeros))[:4],
+                                  np.asarray(f(x[:4], panels, scales, bits, zeros)))
 
 
 @needs_native
@@ -251,12 +279,16 @@ def test_pack_params_packs_the_quantized_weights_the_kernel_takes_and_leaves_the
     p4, _ = _quantized(rng, 64, 40, 4, 4)
     fp8 = QuantizedLinear(jnp.asarray(rng.standard_normal((64, 32)), dtype=jnp.float8_e4m3fn),
                           jnp.ones((1, 32)), in_features_=64)
-    zero = QuantizedLinear(p8.values, p8.scale, zero=jnp.zeros_like(p8.scale, dtype=jnp.int8), in_features_=64)
-    packed = native.pack_params({"a": p8, "b": p4, "c": fp8, "d": zero})
-    assert isinstance(packed["a"], PanelQuantizedLinear) and isinstance(packed["b"], PanelQuantizedLinear)
+    w8a8 = QuantizedLinear(p8.values, p8.scale, in_features_=64, act="int8")
+    asym, _ = _quantized(rng, 64, 32, 4, 2, zero=True, act_order=True)
+    uneven = QuantizedLinear(asym.values, asym.scale, zero=asym.zero, g_idx=jnp.zeros(64, jnp.int32), bits=4,
+                             in_features_=64, block=(32, 1))  # one group of 64 rows, one of none
+    weights = {"a": p8, "b": p4, "c": fp8, "d": w8a8, "e": asym, "f": uneven}
+    packed = native.pack_params(weights)
+    assert all(isinstance(packed[k], PanelQuantizedLinear) for k in "abe")
     assert packed["b"].panels.dtype == jnp.uint8 and packed["b"].out_features == 40
-    assert packed["c"] is fp8 and packed["d"] is zero
+    assert packed["e"].zeros is not None and packed["e"].order is not None
+    assert all(packed[k] is weights[k] for k in "cdf")
     x = jnp.asarray(rng.standard_normal((3, 64)).astype(np.float32))
-    for k in "ab":
-        np.testing.assert_allclose(np.asarray(packed[k](x)), np.asarray({"a": p8, "b": p4}[k](x)), rtol=1e-5,
-                                   atol=1e-4)
+    for k in "abe":
+        np.testing.assert_allclose(np.asarray(packed[k](x)), np.asarray(weights[k](x)), rtol=1e-5, atol=1e-4)

@@ -113,12 +113,19 @@ def test_gptq_v1_zeros_of_zero_borrowed_from_their_neighbour_and_are_restored_ex
     np.testing.assert_allclose(np.asarray(got), o["dequantized"], rtol=1e-6, atol=0)
 
 
-def test_native_cpu_matmul_takes_symmetric_gptq_without_zero_points():
+@pytest.mark.parametrize("name", ["gptq-qwen2-w8ch", "gptq-llama-w4g128-act", "awq-llama-w4g128"])
+def test_native_cpu_matmul_takes_gptq_and_awq_with_zero_points_and_activation_order(name):
+    """Symmetric, asymmetric with activation order, AWQ with zero points: every int linear is
+    packed for the native matmul (and the greedy test above runs them through it)."""
     from paged_jax import native
 
-    llm, _, _ = engine_run(FIXTURES / "gptq-qwen2-w8ch")
+    llm = LLM(str(FIXTURES / name), dtype="float32", max_model_len=128)
     linears = [v for lp in llm.llm_engine.runner.params["layers"] for v in lp.values() if hasattr(v, "__call__")]
     assert all(isinstance(v, PanelQuantizedLinear) for v in linears) == native.available()
+    _, _, has_zero, has_g_idx = EXPECTED[name]
+    if native.available():
+        assert all((v.zeros is not None) == has_zero for v in linears)
+        assert any(v.order is not None for v in linears) == has_g_idx
 
 
 def test_gptq_checkpoint_survives_preemption():

@@ -240,53 +240,82 @@ def linear(x, w_panels) -> "jax.Array":
 
 def quantized_packable(p) -> bool:
     """Whether :func:`pack_quantized` takes a ``QuantizedLinear``: int8 or int4 values with a scale
-    per column (or one for the tensor) and per group of whole rows (an even count for int4), no zero
-    points, activation order or activation quantization."""
+    (and optionally a zero point) per column, or one for the tensor, and per group of whole rows
+    (an even count for int4), the groups contiguous or in activation order (``g_idx``: then every
+    group must have as many rows as the others, as GPTQ writes them); no activation quantization."""
     import jax.numpy as jnp
 
-    if p.zero is not None or p.g_idx is not None or p.act is not None or p.bits not in QUANTIZED_TARGETS:
+    if p.act is not None or p.bits not in QUANTIZED_TARGETS:
         return False
     if (p.bits == 8) != (p.values.dtype == jnp.int8) or p.bits == 4 and p.values.dtype != jnp.uint8:
         return False
     n_in, n_out = p.in_features, p.values.shape[1]
     rows, cols = p._block(n_out)
     groups = p.scale.shape[0]
+    if p.zero is not None and p.zero.shape != p.scale.shape:
+        return False
+    if p.g_idx is not None:
+        g_idx = np.asarray(p.g_idx)
+        if g_idx.shape != (n_in,) or g_idx.min() < 0 or g_idx.max() >= groups or \
+                not np.all(np.bincount(g_idx, minlength=groups) == rows):
+            return False
     return (p.scale.shape[1] in (1, n_out) and (cols == 1 or p.scale.shape[1] == 1) and rows * groups == n_in
             and (p.bits == 8 or rows % 2 == 0))
 
 
 def pack_quantized(p):
     """A ``QuantizedLinear`` (see :func:`quantized_packable`) as (value panels ``[P, K', W]``, scale
-    panels ``[P, G, W]`` float32), output columns padded to a panel width."""
+    panels ``[P, G, W]`` float32, zero-point panels shaped as the scales (float32, in the values'
+    units) or None, the row order or None), output columns padded to a panel width. A weight in
+    activation order has its rows sorted by group (stably): row ``i`` of the packed weight is
+    row ``order[i]`` of the original, so ``x[..., order] @ packed == x @ original``."""
     import jax.numpy as jnp
 
+    from paged_jax.models.quantization import _pack_nibbles
+
     n_out = p.values.shape[1]
+    values, order = p.values, None
+    if p.g_idx is not None:
+        order = np.argsort(np.asarray(p.g_idx), kind="stable").astype(np.int32)
+        sorted_rows = np.asarray(p.unpacked())[order]
+        values = _pack_nibbles(sorted_rows) if p.bits == 4 else sorted_rows
+        order = jnp.asarray(order)
     scale = jnp.broadcast_to(p.scale.astype(jnp.float32), (p.scale.shape[0], n_out))
-    return pack_padded(p.values), pack_padded(scale)
+    zero = None
+    if p.zero is not None:
+        zero = pack_padded(jnp.broadcast_to(p.zero.astype(jnp.float32), (p.zero.shape[0], n_out)))
+    return pack_padded(jnp.asarray(values)), pack_padded(scale), zero, order
 
 
-def linear_quantized(x, panels, scale_panels, bits: int) -> "jax.Array":
-    """``x @ w`` for the weight held as :func:`pack_quantized` panels: the native kernel for float32
-    on a CPU once the kernels are registered, else XLA on the dequantized weight."""
+def linear_quantized(x, panels, scale_panels, bits: int, zero_panels=None) -> "jax.Array":
+    """``x @ w`` for the weight held as :func:`pack_quantized` panels (rows already in the panels'
+    order): the native kernel for float32 on a CPU once the kernels are registered, else XLA on
+    the dequantized weight."""
     import jax
     import jax.numpy as jnp
 
     P, rows, W = panels.shape
     G = scale_panels.shape[1]
     K = rows * (2 if bits == 4 else 1)
-    if x.shape[-1] != K or scale_panels.shape != (P, G, W):
-        raise ValueError(f"linear_quantized: x {x.shape}, panels {panels.shape}, scales {scale_panels.shape} "
-                         f"do not fit {bits}-bit values")
+    if x.shape[-1] != K or scale_panels.shape != (P, G, W) or \
+            zero_panels is not None and zero_panels.shape != (P, G, W):
+        raise ValueError(f"linear_quantized: x {x.shape}, panels {panels.shape}, scales {scale_panels.shape}, "
+                         f"zeros {None if zero_panels is None else zero_panels.shape} do not fit {bits}-bit values")
     if x.dtype != jnp.float32 or jax.default_backend() != "cpu" or not _state.get("ok"):
         q = unpack_weight(panels)
         if bits == 4:
             q = jnp.stack([q & 0xF, q >> 4], axis=1).reshape(K, -1).astype(jnp.int8) - 8
-        scale = jnp.repeat(unpack_weight(scale_panels), K // G, axis=0)
-        return x @ (q.astype(jnp.float32) * scale).astype(x.dtype)
+        w = q.astype(jnp.float32)
+        if zero_panels is not None:
+            w = w - jnp.repeat(unpack_weight(zero_panels), K // G, axis=0)
+        w = w * jnp.repeat(unpack_weight(scale_panels), K // G, axis=0)
+        return x @ w.astype(x.dtype)
+    if zero_panels is None:
+        zero_panels = jnp.zeros((P, 0, W), jnp.float32)
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), K)
     y = jax.ffi.ffi_call(QUANTIZED_TARGETS[bits][0], jax.ShapeDtypeStruct((x2.shape[0], P * W), jnp.float32))(
-        x2, panels, scale_panels)
+        x2, panels, scale_panels, zero_panels)
     return y.reshape(*lead, P * W)
 
 
@@ -326,9 +355,9 @@ def pack_params(params, floats: bool = True):
 
     def pack(x):
         if isinstance(x, QuantizedLinear) and quantized_packable(x):
-            panels, scales = pack_quantized(x)
-            return PanelQuantizedLinear(panels, scales, x.b, bits=x.bits, out_features=x.values.shape[1],
-                                        parallel=x.parallel)
+            panels, scales, zeros, order = pack_quantized(x)
+            return PanelQuantizedLinear(panels, scales, zeros, order, x.b, bits=x.bits,
+                                        out_features=x.values.shape[1], parallel=x.parallel)
         if floats and isinstance(x, DenseLinear) and x.w.ndim == 2 and x.w.dtype == jnp.float32:
             return PanelLinear(pack_padded(x.w), x.b, out_features=x.w.shape[1], parallel=x.parallel)
         if floats and isinstance(x, DenseEmbedding) and x.tied and x.table.dtype == jnp.float32:

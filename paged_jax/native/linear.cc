@@ -40,15 +40,15 @@ inline void PrefetchRow(const float* p, int64_t w) {
   for (int64_t off = 0; off < w; off += 16) __builtin_prefetch(p + off, 0, 3);
 }
 
-// y[0:R, 0:W] = x[0:R, 0:K] @ panel[0:K, 0:W]; x rows ldx apart, y rows ldy apart.
-template <int R, int W>
+// y[0:R, 0:W] = x[0:R, 0:K] @ panel[0:K, 0:W] (Add: y += ...); x rows ldx apart, y rows ldy apart.
+template <int R, int W, bool Add = false>
 inline void Tile(const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy, int64_t K,
                  bool prefetch) {
   constexpr int V = W / 16;
 #if defined(__AVX512F__)
   __m512 acc[R][V];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < V; ++v) acc[r][v] = Add ? _mm512_loadu_ps(y + r * ldy + 16 * v) : _mm512_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     const float* b = panel + k * W;
     if (prefetch) PrefetchRow(b + kPrefetch, W);
@@ -63,6 +63,9 @@ inline void Tile(const float* x, int64_t ldx, const float* panel, float* y, int6
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(y + r * ldy + 16 * v, acc[r][v]);
 #else
   float acc[R][W] = {};
+  if (Add)
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < W; ++c) acc[r][c] = y[r * ldy + c];
   for (int64_t k = 0; k < K; ++k) {
     const float* b = panel + k * W;
     if (prefetch) PrefetchRow(b + kPrefetch, W);
@@ -77,21 +80,25 @@ inline void Tile(const float* x, int64_t ldx, const float* panel, float* y, int6
 #endif
 }
 
-template <int W>
-void Panel(const float* x, int64_t m0, int64_t m1, int64_t K, const float* panel, float* y, int64_t N) {
+// Rows m0 .. m1 of y (y += with Add) = x @ panel, 8 rows at a time; x rows ldx apart (a slab of
+// weight rows: x offset to its first column), y rows ldy apart. prefetch: the first pass reads the
+// panel from memory, and prefetches ahead of itself.
+template <int W, bool Add = false>
+void Tiles(const float* x, int64_t ldx, int64_t m0, int64_t m1, const float* panel, float* y, int64_t ldy,
+           int64_t K, bool prefetch) {
   for (int64_t m = m0; m < m1; m += kRows) {
-    const float* xs = x + m * K;
-    float* ys = y + m * N;
-    const bool pf = m == m0;  // the first pass reads the panel from memory; prefetch ahead of it
+    const float* xs = x + m * ldx;
+    float* ys = y + m * ldy;
+    const bool pf = prefetch && m == m0;
     switch (std::min<int64_t>(kRows, m1 - m)) {
-      case 8: Tile<8, W>(xs, K, panel, ys, N, K, pf); break;
-      case 7: Tile<7, W>(xs, K, panel, ys, N, K, pf); break;
-      case 6: Tile<6, W>(xs, K, panel, ys, N, K, pf); break;
-      case 5: Tile<5, W>(xs, K, panel, ys, N, K, pf); break;
-      case 4: Tile<4, W>(xs, K, panel, ys, N, K, pf); break;
-      case 3: Tile<3, W>(xs, K, panel, ys, N, K, pf); break;
-      case 2: Tile<2, W>(xs, K, panel, ys, N, K, pf); break;
-      default: Tile<1, W>(xs, K, panel, ys, N, K, pf); break;
+      case 8: Tile<8, W, Add>(xs, ldx, panel, ys, ldy, K, pf); break;
+      case 7: Tile<7, W, Add>(xs, ldx, panel, ys, ldy, K, pf); break;
+      case 6: Tile<6, W, Add>(xs, ldx, panel, ys, ldy, K, pf); break;
+      case 5: Tile<5, W, Add>(xs, ldx, panel, ys, ldy, K, pf); break;
+      case 4: Tile<4, W, Add>(xs, ldx, panel, ys, ldy, K, pf); break;
+      case 3: Tile<3, W, Add>(xs, ldx, panel, ys, ldy, K, pf); break;
+      case 2: Tile<2, W, Add>(xs, ldx, panel, ys, ldy, K, pf); break;
+      default: Tile<1, W, Add>(xs, ldx, panel, ys, ldy, K, pf); break;
     }
   }
 }
@@ -127,28 +134,57 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
     const float* panel = ws + p * K * W;
     float* out = ys + p * W;
     switch (W) {
-      case 48: Panel<48>(xs, m0, m1, K, panel, out, N); break;
-      case 32: Panel<32>(xs, m0, m1, K, panel, out, N); break;
-      default: Panel<16>(xs, m0, m1, K, panel, out, N); break;
+      case 48: Tiles<48>(xs, K, m0, m1, panel, out, N, K, true); break;
+      case 32: Tiles<32>(xs, K, m0, m1, panel, out, N, K, true); break;
+      default: Tiles<16>(xs, K, m0, m1, panel, out, N, K, true); break;
     }
   });
   return ffi::Error::Success();
 }
 
-// Quantized weights: y = x @ (q * scale), the weight read as int8 or packed int4 values and turned
-// into float32 in registers (decode at small batch is bound by the bytes of weight read, 4 or 8
-// times fewer than float32). w: [P, K, W] int8, or [P, K / 2, W] uint8 with rows 2i and 2i + 1 in
-// the low and high nibbles of byte row i, each stored plus 8. scales: [P, G, W] float32, one per
-// column and group of K / G consecutive rows (G = 1: per column). Sums run over k in order.
+// Quantized weights: y = x @ ((q - zero) * scale), the weight read as int8 or packed int4 values
+// and turned into float32 on the way (decode at small batch is bound by the bytes of weight read,
+// 4 or 8 times fewer than float32). w: [P, K, W] int8, or [P, K / 2, W] uint8 with rows 2i and
+// 2i + 1 in the low and high nibbles of byte row i, each stored plus 8. scales: [P, G, W] float32,
+// one per column and group of K / G consecutive rows (G = 1: per column); zeros: the same shape,
+// in q's units (asymmetric weights), or [P, 0, W] for none. A weight in activation order (GPTQ's
+// g_idx) has its rows sorted by group when packed and x's columns gathered to match
+// (paged_jax.native.pack_quantized), so the kernel only ever sees contiguous groups.
+//
+// Two ways, by the rows of x in a unit of work:
+// - up to kRegisterRows (decode at small batch): each weight becomes float32 in registers as it
+//   streams in and serves every row at once (QTile);
+// - more: slabs of kSlab weight rows become float32 once, into a buffer that stays in L1, and
+//   the float tiles run over it (8 rows, as for float weights): the conversion is paid once per
+//   slab rather than once per 8 rows, and the float tile's registers hold no scales or zeros
+//   (a register tile of 8 rows with them spilled: 4x slower than 4 rows on this project's CPU).
+// Both round (q - zero) * scale to float32 once and add it into the sums over k in order, so the
+// two agree to the bit.
+
+constexpr int64_t kRegisterRows = 4;
+constexpr int64_t kSlab = 128;  // weight rows per float32 slab: 128 x 48 floats = 24 KiB
+
+struct QPanelView {
+  const uint8_t* values;  // this panel's [K or K / 2, W]
+  const float* scales;    // [G, W]
+  const float* zeros;     // [G, W], or nullptr
+  int64_t group;          // rows per group (K / G)
+};
 
 template <int Bits>
 inline const uint8_t* QRow(const uint8_t* panel, int64_t k, int64_t W) {
   return Bits == 8 ? panel + k * W : panel + (k / 2) * W;
 }
 
-#if defined(__AVX512F__)
 template <int Bits>
-inline __m512 QLoad(const uint8_t* row, int64_t k, int v, __m512 scale) {
+inline float QValue(const uint8_t* row, int64_t k, int64_t c) {
+  if (Bits == 8) return static_cast<float>(static_cast<int8_t>(row[c]));
+  return static_cast<float>(((row[c] >> ((k & 1) * 4)) & 0xF) - 8);
+}
+
+#if defined(__AVX512F__)
+template <int Bits, bool Zero>
+inline __m512 QLoad(const uint8_t* row, int64_t k, int v, __m512 scale, __m512 zero) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v));
   __m512i q;
   if (Bits == 8) {
@@ -158,33 +194,32 @@ inline __m512 QLoad(const uint8_t* row, int64_t k, int v, __m512 scale) {
     if (k & 1) q = _mm512_srli_epi32(q, 4);
     q = _mm512_sub_epi32(_mm512_and_si512(q, _mm512_set1_epi32(0xF)), _mm512_set1_epi32(8));
   }
-  return _mm512_mul_ps(_mm512_cvtepi32_ps(q), scale);
+  __m512 f = _mm512_cvtepi32_ps(q);
+  if (Zero) f = _mm512_sub_ps(f, zero);
+  return _mm512_mul_ps(f, scale);
 }
 #endif
 
-template <int Bits>
-inline float QValue(const uint8_t* row, int64_t k, int64_t c) {
-  if (Bits == 8) return static_cast<float>(static_cast<int8_t>(row[c]));
-  return static_cast<float>(((row[c] >> ((k & 1) * 4)) & 0xF) - 8);
-}
-
-template <int R, int W, int Bits>
-inline void QTile(const float* x, int64_t ldx, const uint8_t* panel, const float* scales, int64_t G,
-                  float* y, int64_t ldy, int64_t K, bool prefetch) {
-  const int64_t group = K / G;
+// Register tile: y[0:R, 0:W] = x[0:R, 0:K] @ the panel, dequantized as it is read.
+template <int R, int W, int Bits, bool Zero>
+inline void QTile(const float* x, int64_t ldx, const QPanelView& q, float* y, int64_t ldy, int64_t K) {
+  const int64_t G = K / q.group;
 #if defined(__AVX512F__)
   constexpr int V = W / 16;
   __m512 acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m512 sv[V];
-    for (int v = 0; v < V; ++v) sv[v] = _mm512_loadu_ps(scales + g * W + 16 * v);
-    for (int64_t k = g * group; k < (g + 1) * group; ++k) {
-      const uint8_t* row = QRow<Bits>(panel, k, W);
-      if (prefetch) __builtin_prefetch(row + 4 * kPrefetch, 0, 3);
+    __m512 sv[V], zv[V];
+    for (int v = 0; v < V; ++v) {
+      sv[v] = _mm512_loadu_ps(q.scales + g * W + 16 * v);
+      zv[v] = Zero ? _mm512_loadu_ps(q.zeros + g * W + 16 * v) : _mm512_setzero_ps();
+    }
+    for (int64_t k = g * q.group; k < (g + 1) * q.group; ++k) {
+      const uint8_t* row = QRow<Bits>(q.values, k, W);
+      __builtin_prefetch(row + 4 * kPrefetch, 0, 3);
       __m512 bv[V];
-      for (int v = 0; v < V; ++v) bv[v] = QLoad<Bits>(row, k, v, sv[v]);
+      for (int v = 0; v < V; ++v) bv[v] = QLoad<Bits, Zero>(row, k, v, sv[v], zv[v]);
       for (int r = 0; r < R; ++r) {
         const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
         for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(a, bv[v], acc[r][v]);
@@ -196,10 +231,11 @@ inline void QTile(const float* x, int64_t ldx, const uint8_t* panel, const float
 #else
   float acc[R][W] = {};
   for (int64_t k = 0; k < K; ++k) {
-    const uint8_t* row = QRow<Bits>(panel, k, W);
-    const float* sc = scales + (k / group) * W;
+    const uint8_t* row = QRow<Bits>(q.values, k, W);
+    const float* sc = q.scales + (k / q.group) * W;
+    const float* zc = Zero ? q.zeros + (k / q.group) * W : nullptr;
     float b[W];
-    for (int c = 0; c < W; ++c) b[c] = QValue<Bits>(row, k, c) * sc[c];
+    for (int c = 0; c < W; ++c) b[c] = (Zero ? QValue<Bits>(row, k, c) - zc[c] : QValue<Bits>(row, k, c)) * sc[c];
     for (int r = 0; r < R; ++r) {
       const float a = x[r * ldx + k];
 #pragma omp simd
@@ -211,53 +247,79 @@ inline void QTile(const float* x, int64_t ldx, const uint8_t* panel, const float
 #endif
 }
 
-template <int W, int Bits>
-void QPanel(const float* x, int64_t m0, int64_t m1, int64_t K, const uint8_t* panel, const float* scales,
-            int64_t G, float* y, int64_t N) {
-  for (int64_t m = m0; m < m1; m += kRows) {
-    const float* xs = x + m * K;
-    float* ys = y + m * N;
-    const bool pf = m == m0;
-    switch (std::min<int64_t>(kRows, m1 - m)) {
-      case 8: QTile<8, W, Bits>(xs, K, panel, scales, G, ys, N, K, pf); break;
-      case 7: QTile<7, W, Bits>(xs, K, panel, scales, G, ys, N, K, pf); break;
-      case 6: QTile<6, W, Bits>(xs, K, panel, scales, G, ys, N, K, pf); break;
-      case 5: QTile<5, W, Bits>(xs, K, panel, scales, G, ys, N, K, pf); break;
-      case 4: QTile<4, W, Bits>(xs, K, panel, scales, G, ys, N, K, pf); break;
-      case 3: QTile<3, W, Bits>(xs, K, panel, scales, G, ys, N, K, pf); break;
-      case 2: QTile<2, W, Bits>(xs, K, panel, scales, G, ys, N, K, pf); break;
-      default: QTile<1, W, Bits>(xs, K, panel, scales, G, ys, N, K, pf); break;
+// Weight rows k0 .. k1 of a panel as float32, into out[(k1 - k0) x W]; reads the values once,
+// prefetching ahead in the panel stream.
+template <int W, int Bits, bool Zero>
+void Dequantize(const QPanelView& q, int64_t k0, int64_t k1, float* out) {
+  for (int64_t g = k0 / q.group, k = k0; k < k1; ++g) {
+    const float* sc = q.scales + g * W;
+    const float* zc = Zero ? q.zeros + g * W : nullptr;
+    for (const int64_t end = std::min(k1, (g + 1) * q.group); k < end; ++k) {
+      const uint8_t* row = QRow<Bits>(q.values, k, W);
+      __builtin_prefetch(row + 4 * kPrefetch, 0, 3);
+      float* o = out + (k - k0) * W;
+#pragma omp simd
+      for (int c = 0; c < W; ++c) o[c] = (Zero ? QValue<Bits>(row, k, c) - zc[c] : QValue<Bits>(row, k, c)) * sc[c];
     }
+  }
+}
+
+template <int W, int Bits, bool Zero>
+void QPanel(const float* x, int64_t m0, int64_t m1, int64_t K, const QPanelView& q, float* y, int64_t N) {
+  const float* xs = x + m0 * K;  // register tiles
+  float* ys = y + m0 * N;
+  switch (m1 - m0) {
+    case 1: return QTile<1, W, Bits, Zero>(xs, K, q, ys, N, K);
+    case 2: return QTile<2, W, Bits, Zero>(xs, K, q, ys, N, K);
+    case 3: return QTile<3, W, Bits, Zero>(xs, K, q, ys, N, K);
+    case 4: return QTile<4, W, Bits, Zero>(xs, K, q, ys, N, K);
+    default: break;
+  }
+  static_assert(kRegisterRows == 4, "the cases above");
+  alignas(64) float slab[kSlab * W];
+  for (int64_t k0 = 0; k0 < K; k0 += kSlab) {
+    const int64_t k1 = std::min(K, k0 + kSlab);
+    Dequantize<W, Bits, Zero>(q, k0, k1, slab);
+    if (k0 == 0)
+      Tiles<W, false>(x + k0, K, m0, m1, slab, y, N, k1 - k0, false);
+    else
+      Tiles<W, true>(x + k0, K, m0, m1, slab, y, N, k1 - k0, false);
   }
 }
 
 template <int Bits>
 ffi::Error QImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scales,
-                 ffi::ResultBuffer<ffi::F32> y) {
-  auto xd = x.dimensions(), wd = w.dimensions(), sd = scales.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 3 || sd.size() != 3 || yd.size() != 2)
-    return ffi::Error::InvalidArgument("quantized linear: expected x [M, K], w [P, K', W], scales [P, G, W], y [M, N]");
+                 ffi::Buffer<ffi::F32> zeros, ffi::ResultBuffer<ffi::F32> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), sd = scales.dimensions(), zd = zeros.dimensions(),
+       yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 3 || sd.size() != 3 || zd.size() != 3 || yd.size() != 2)
+    return ffi::Error::InvalidArgument(
+        "quantized linear: expected x [M, K], w [P, K', W], scales [P, G, W], zeros [P, G or 0, W], y [M, N]");
   const int64_t M = xd[0], K = xd[1], P = wd[0], W = wd[2], G = sd[1];
   const int64_t rows_stored = Bits == 8 ? K : K / 2;
   if (wd[1] != rows_stored || (W != 16 && W != 32 && W != 48) || sd[0] != P || sd[2] != W || G < 1 || K % G ||
-      (Bits == 4 && (K / G) % 2) || yd[0] != M || yd[1] != P * W)
+      (Bits == 4 && (K / G) % 2) || zd[0] != P || (zd[1] != G && zd[1] != 0) || zd[2] != W || yd[0] != M ||
+      yd[1] != P * W)
     return ffi::Error::InvalidArgument("quantized linear: sizes do not match (K a multiple of the groups, "
-                                       "even groups for 4 bits, panels of 16, 32 or 48)");
+                                       "even groups for 4 bits, panels of 16, 32 or 48, zeros as scales or none)");
   if (M == 0) return ffi::Error::Success();
   const float* xs = x.typed_data();
   const uint8_t* ws = static_cast<const uint8_t*>(w.untyped_data());
   const float* ss = scales.typed_data();
+  const float* zs = zd[1] ? zeros.typed_data() : nullptr;
   float* ys = y->typed_data();
   const int64_t N = P * W;
   ForEachPanelChunk(pool, M, P, [=](int64_t p, int64_t m0, int64_t m1) {
-    const uint8_t* panel = ws + p * rows_stored * W;
-    const float* sc = ss + p * G * W;
+    const QPanelView q{ws + p * rows_stored * W, ss + p * G * W, zs ? zs + p * G * W : nullptr, K / G};
     float* out = ys + p * W;
+#define PAGED_JAX_QPANEL(w)                                                              \
+  (zs ? QPanel<w, Bits, true>(xs, m0, m1, K, q, out, N) : QPanel<w, Bits, false>(xs, m0, m1, K, q, out, N))
     switch (W) {
-      case 48: QPanel<48, Bits>(xs, m0, m1, K, panel, sc, G, out, N); break;
-      case 32: QPanel<32, Bits>(xs, m0, m1, K, panel, sc, G, out, N); break;
-      default: QPanel<16, Bits>(xs, m0, m1, K, panel, sc, G, out, N); break;
+      case 48: PAGED_JAX_QPANEL(48); break;
+      case 32: PAGED_JAX_QPANEL(32); break;
+      default: PAGED_JAX_QPANEL(16); break;
     }
+#undef PAGED_JAX_QPANEL
   });
   return ffi::Error::Success();
 }
@@ -317,6 +379,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearF32, Impl,
                                     .Ctx<ffi::ThreadPool>()                                           \
                                     .Arg<ffi::Buffer<ffi::F32>>()                                     \
                                     .Arg<ffi::AnyBuffer>()                                            \
+                                    .Arg<ffi::Buffer<ffi::F32>>()                                     \
                                     .Arg<ffi::Buffer<ffi::F32>>()                                     \
                                     .Ret<ffi::Buffer<ffi::F32>>());
 PAGED_JAX_QLINEAR(LinearQ8F32, 8)
