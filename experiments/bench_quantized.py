@@ -3,7 +3,8 @@
     python experiments/bench_quantized.py [--batches 1 8 32] [--tokens 64] [--no-checkpoint]
 
 The model: a LLaMA of 512 wide, 8 layers, vocabulary 4,096 (random, made here), loaded as
-float32, with int8 and fp8 weights quantized on load (``quantization=``), with an int8 KV cache
+float32, with int8 (W8A16), w8a8 (int8 activations too) and fp8 weights quantized on load
+(``quantization=``), with an int8 KV cache
 (``kv_cache_dtype="int8"``, float32 weights), and as a
 compressed-tensors W4A16 checkpoint (group 128, LM head float) made here from the same float
 weights (needs the test extra: torch and compressed-tensors). Prints the bytes of the arrays
@@ -52,8 +53,8 @@ def main(argv=None):
         model = str(make_tiny_model(Path(tmp) / "float", family="llama", vocab_size=4096, hidden_size=512,
                                     intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
                                     num_key_value_heads=8))
-        runs = {"float32": (model, None, "auto"), "int8": (model, "int8", "auto"), "fp8": (model, "fp8", "auto"),
-                "int8 KV": (model, None, "int8")}
+        runs = {"float32": (model, None, "auto"), "int8": (model, "int8", "auto"), "w8a8": (model, "w8a8", "auto"),
+                "fp8": (model, "fp8", "auto"), "int8 KV": (model, None, "int8")}
         if not a.no_checkpoint:
             from tests.hf_models import quantize_ct
 

@@ -48,7 +48,7 @@ class EngineArgs:
     seed: int = 0
     watermark: float = 0.01
     tensor_parallel_size: int = 1  # devices the model is split over (Megatron-style; paged_jax.parallel)
-    quantization: Optional[str] = None  # "int8" | "fp8": the layers' linear weights quantized as they load
+    quantization: Optional[str] = None  # "int8" | "w8a8" | "fp8": the layers' linear weights quantized as they load
     kv_cache_dtype: str = "auto"  # "int8" | "fp8": 8-bit KV cache, a scale per token and head
 
     def __post_init__(self):

@@ -166,6 +166,7 @@ def test_tied_embedding_packed_once_serves_lookup_and_logits():
 PORTABLE_CHECK = r"""
 import json, numpy as np, jax, jax.numpy as jnp
 from paged_jax import native
+from paged_jax.models.weights import QuantizedLinear
 assert native.available(), native.status()
 rng = np.random.default_rng(0)
 errs = []
@@ -174,15 +175,23 @@ for M, K, N in [(1, 16, 16), (9, 40, 96), (33, 70, 32)]:
     w = rng.standard_normal((K, N)).astype(np.float32)
     got = np.asarray(native.linear(jnp.asarray(x), native.pack_weight(w)))
     errs.append(float(np.abs(got - x.astype(np.float64) @ w).max()))
+    # the int8 x int8 matmul: exact integer sums, scaled once (compared with numpy's)
+    xq = rng.integers(-128, 128, size=(M, 4 * K)).astype(np.int8)
+    wq = rng.integers(-128, 128, size=(4 * K, N)).astype(np.int8)
+    xs, ws = rng.uniform(0.01, 0.1, size=(M, 1)).astype(np.float32), rng.uniform(0.01, 0.1, size=(1, N)).astype(np.float32)
+    p = QuantizedLinear(jnp.asarray(wq), jnp.asarray(ws), in_features_=4 * K, act="int8")
+    got = np.asarray(native.linear_int8(jnp.asarray(xq), jnp.asarray(xs), *native.pack_int8(p)))[:, :N]
+    want = (xq.astype(np.int64) @ wq.astype(np.int64)).astype(np.float32) * xs * ws
+    errs.append(float(np.abs(got - want).max()))
 print(json.dumps({"errs": errs, "library": native.status()["library"], "avx512_matmul": native.status()["avx512_matmul"],
-                  "packs_weights": native.packs_weights()}))
+                  "vnni_matmul": native.status()["vnni_matmul"], "packs_weights": native.packs_weights()}))
 """
 
 
 @needs_native
 def test_portable_loops_without_avx512(tmp_path):
-    """The matmul's loops for CPUs without AVX-512 (built here with -mno-avx512f, in its own
-    process and cache) give the same products."""
+    """The matmuls' loops for CPUs without AVX-512 (built here with -mno-avx512f, in its own
+    process and cache) give the same products: float32, and int8 x int8 (no VNNI either)."""
     import json
     import os
     import subprocess
@@ -194,6 +203,7 @@ def test_portable_loops_without_avx512(tmp_path):
     out = json.loads(res.stdout.strip().splitlines()[-1])
     assert out["library"].startswith(str(tmp_path)) and max(out["errs"]) < 1e-3, out
     assert out["avx512_matmul"] is False and out["packs_weights"] is False  # the runner keeps XLA's matmuls
+    assert out["vnni_matmul"] is False
 
 
 @needs_native
@@ -292,3 +302,48 @@ def test_pack_params_packs_the_quantized_weights_the_kernel_takes_and_leaves_the
     x = jnp.asarray(rng.standard_normal((3, 64)).astype(np.float32))
     for k in "abe":
         np.testing.assert_allclose(np.asarray(packed[k](x)), np.asarray(weights[k](x)), rtol=1e-5, atol=1e-4)
+
+
+def _w8a8(rng, K, N, per_tensor=False):
+    from paged_jax.models.weights import QuantizedLinear
+
+    wq = rng.integers(-128, 128, size=(K, N)).astype(np.int8)
+    ws = rng.uniform(0.01, 0.1, size=(1, 1 if per_tensor else N)).astype(np.float32)
+    return QuantizedLinear(jnp.asarray(wq), jnp.asarray(ws), in_features_=K, act="int8",
+                           block=(K, N if per_tensor else 1)), wq, ws
+
+
+@needs_native
+@pytest.mark.parametrize("M", [1, 3, 8, 9, 33, 1030])
+@pytest.mark.parametrize("K,N,per_tensor", [(4, 16, False), (64, 96, False), (132, 80, False), (512, 48, True)])
+def test_int8_by_int8_linear_matches_numpy_and_xla_to_the_bit(M, K, N, per_tensor):
+    """W8A8: int8 activations (extremes included: -128 and 127) times int8 weights, exact integer
+    sums scaled once; equal to numpy's integer product and bitwise to QuantizedLinear's XLA path."""
+    rng = np.random.default_rng(M + K + N)
+    p, wq, ws = _w8a8(rng, K, N, per_tensor)
+    assert native.int8_packable(p)
+    xq = rng.integers(-128, 128, size=(M, K)).astype(np.int8)
+    xq[0, :2] = [-128, 127]
+    xs = rng.uniform(0.01, 0.1, size=(M, 1)).astype(np.float32)
+    got = np.asarray(jax.jit(native.linear_int8)(jnp.asarray(xq), jnp.asarray(xs), *native.pack_int8(p)))[:, :N]
+    np.testing.assert_array_equal(got, (xq.astype(np.int64) @ wq.astype(np.int64)).astype(np.float32) * xs * ws)
+    # the whole layer (activations quantized per token) against QuantizedLinear's own int8 dot
+    from paged_jax.models.weights import PanelInt8Linear
+
+    panels, sums, scales = native.pack_int8(p)
+    x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
+    packed = PanelInt8Linear(panels, sums, scales, out_features=N)
+    np.testing.assert_array_equal(np.asarray(jax.jit(packed.__call__)(x)), np.asarray(jax.jit(p.__call__)(x)))
+
+
+@needs_native
+def test_pack_params_packs_w8a8_only_where_vnni_runs_it():
+    from paged_jax.models.weights import PanelInt8Linear, QuantizedLinear
+
+    rng = np.random.default_rng(3)
+    p, _, _ = _w8a8(rng, 64, 32)
+    odd = QuantizedLinear(p.values[:62], p.scale, in_features_=62, act="int8")  # inputs not a multiple of 4
+    grouped = QuantizedLinear(p.values, jnp.ones((2, 32)), in_features_=64, act="int8", block=(32, 1))
+    packed = native.pack_params({"a": p, "odd": odd, "grouped": grouped})
+    assert isinstance(packed["a"], PanelInt8Linear) == native.status()["vnni_matmul"]
+    assert packed["odd"] is odd and packed["grouped"] is grouped

@@ -19,15 +19,16 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from paged_jax import LLM, SamplingParams
+from paged_jax import LLM, SamplingParams, native
 from paged_jax.errors import ModelLoadError
+from paged_jax.models.loader import load_model
 from paged_jax.models.quantization import _pack_nibbles, _unpack_int32, quantize_weight
-from paged_jax import native
-from paged_jax.models.weights import DenseLinear, PanelQuantizedLinear, QuantizedLinear, quantize_per_token
+from paged_jax.models.weights import (DenseLinear, PanelInt8Linear, PanelQuantizedLinear, QuantizedLinear,
+                                      quantize_per_token)
 from tests.hf_models import ct_dequantized_model, load_hf, make_ct_model
 
 PROMPTS = [[1, 5, 9, 33, 77, 100, 200], [1, 40, 41, 42], [1, 300, 301, 302, 303, 304, 305, 306, 307]]
-QUANTIZED = (QuantizedLinear, PanelQuantizedLinear)  # the second: packed for the native CPU matmul
+QUANTIZED = (QuantizedLinear, PanelQuantizedLinear, PanelInt8Linear)  # the others: packed for the native CPU matmuls
 
 
 def _values(p):
@@ -51,6 +52,18 @@ def test_int8_on_load_is_per_column_symmetric_and_its_matmul_is_the_dequantized_
     x = rng.standard_normal((5, 48)).astype(np.float32)
     want = x @ (q * np.asarray(p.scale)) + b
     np.testing.assert_allclose(np.asarray(p(jnp.asarray(x))), want, rtol=1e-5, atol=1e-5)
+
+
+def test_w8a8_on_load_is_the_int8_weight_with_int8_activations():
+    rng = np.random.default_rng(2)
+    w = DenseLinear(jnp.asarray(rng.standard_normal((64, 24)).astype(np.float32)))
+    p, q = quantize_weight(w, "w8a8"), quantize_weight(w, "int8")
+    assert p.act == "int8" and q.act is None
+    np.testing.assert_array_equal(np.asarray(p.values), np.asarray(q.values))
+    x = jnp.asarray(rng.standard_normal((3, 64)).astype(np.float32))
+    xq, xs = quantize_per_token(x, "int8")
+    want = (np.asarray(xq).astype(np.int64) @ np.asarray(q.values).astype(np.int64)) * np.asarray(xs) * np.asarray(q.scale)
+    np.testing.assert_allclose(np.asarray(p(x)), want, rtol=1e-6)
 
 
 def test_fp8_on_load_rounds_each_column_to_e4m3_under_its_own_scale():
@@ -206,10 +219,14 @@ def test_w8a8_quantizes_activations_per_token_as_the_checkpoint_says(ct_dir):
 
     llm = LLM(str(path), max_model_len=128)
     runner = llm.llm_engine.runner
-    assert all(v.act == "int8" for v in runner.params["layers"][0].values() if isinstance(v, QuantizedLinear))
+    # int8 activations: XLA's integer dot, or the native one where VNNI runs it
+    native_int8 = native.available() and native.status()["vnni_matmul"]
+    layer = [v for v in runner.params["layers"][0].values() if hasattr(v, "__call__")]
+    assert layer and all(isinstance(v, PanelInt8Linear) if native_int8 else v.act == "int8" for v in layer)
     err = np.abs(logprobs(llm) - want).max()
+    _, params = load_model(path, dtype=runner.config.dtype)
     runner.params["layers"] = [{k: dataclasses.replace(v, act=None) if isinstance(v, QuantizedLinear) else v
-                                for k, v in lp.items()} for lp in runner.params["layers"]]
+                                for k, v in lp.items()} for lp in params["layers"]]
     # The runner's compiled steps (and its executable cache's key) are for the params it started with.
     runner._executables.clear()
     runner.executable_cache = None
@@ -265,7 +282,7 @@ def test_a_family_that_reads_fused_weights_as_float_refuses_them_quantized(ct_di
 
 
 def test_quantization_on_load_names_the_allowed_values():
-    with pytest.raises(ValueError, match=r"quantization must be None or one of \['int8', 'fp8'\], got 'int4'"):
+    with pytest.raises(ValueError, match=r"quantization must be None or one of \['int8', 'w8a8', 'fp8'\], got 'int4'"):
         LLM(quantization="int4")
 
 
@@ -308,9 +325,10 @@ def held_out_perplexity_ratio(**engine_options) -> float:
     return math.exp(q_nll / q_n) / math.exp(nll / n)
 
 
-@pytest.mark.parametrize("method", ["int8", pytest.param("fp8", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("method", ["int8", "w8a8", pytest.param("fp8", marks=pytest.mark.slow)])
 def test_on_load_quantization_keeps_held_out_perplexity_within_one_percent(method):
-    """fp8's three mantissa bits can change a greedy choice, so perplexity is the measure for both."""
+    """fp8's three mantissa bits (and w8a8's rounded activations) can change a greedy choice, so
+    perplexity is the measure."""
     ratio = held_out_perplexity_ratio(quantization=method)
     assert ratio != 1 and abs(ratio - 1) < 0.01, ratio
 

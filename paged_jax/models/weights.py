@@ -243,6 +243,34 @@ class PanelQuantizedLinear:
 
 
 @_pytree
+class PanelInt8Linear:
+    """The same function as a W8A8 :class:`QuantizedLinear` (int8 weights with a scale per column,
+    activations quantized to int8 per token at run time) stored for the native int8 x int8 matmul
+    (:func:`paged_jax.native.pack_int8` makes it): panels ``[P, in / 4, W * 4]`` int8 (rows
+    interleaved four at a time per column), each column's sum ``[P, W]`` int32 and scale ``[P, W]``
+    float32; columns past ``out_features`` are padding and are cut off."""
+
+    STATIC = ("out_features", "parallel")
+    panels: Any
+    sums: Any
+    scales: Any
+    b: Any = None
+    out_features: int = 0
+    parallel: Optional[str] = None
+
+    @property
+    def in_features(self) -> int:
+        return self.panels.shape[1] * 4
+
+    def __call__(self, x):
+        from paged_jax import native
+
+        xq, xs = quantize_per_token(x, "int8")
+        y = native.linear_int8(xq, xs, self.panels, self.sums, self.scales)[..., :self.out_features].astype(x.dtype)
+        return y if self.b is None else y + self.b
+
+
+@_pytree
 class DenseEmbedding:
     """A token table ``[vocab, hidden]``; ``tied``: it is the LM head too (logits ``h @ table.T``)."""
 
@@ -285,7 +313,7 @@ class PanelEmbedding:
         return native.linear(h, self.panels)[..., :self.vocab_size]
 
 
-LINEAR_TYPES = (DenseLinear, PanelLinear, QuantizedLinear, PanelQuantizedLinear)
+LINEAR_TYPES = (DenseLinear, PanelLinear, QuantizedLinear, PanelQuantizedLinear, PanelInt8Linear)
 EMBEDDING_TYPES = (DenseEmbedding, PanelEmbedding)
 WEIGHT_TYPES = LINEAR_TYPES + EMBEDDING_TYPES
 
@@ -312,6 +340,6 @@ def map_weights(fn, params):
     return params
 
 
-__all__ = ["DenseLinear", "PanelLinear", "QuantizedLinear", "PanelQuantizedLinear", "quantize_per_token", "ACTIVATION_QUANT",
+__all__ = ["DenseLinear", "PanelLinear", "QuantizedLinear", "PanelQuantizedLinear", "PanelInt8Linear", "quantize_per_token", "ACTIVATION_QUANT",
            "DenseEmbedding", "PanelEmbedding", "LINEAR_TYPES", "EMBEDDING_TYPES",
            "WEIGHT_TYPES", "PARALLEL_ROLES", "is_weight", "linear", "map_weights"]

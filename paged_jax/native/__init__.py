@@ -50,7 +50,7 @@ import numpy as np
 
 logger = logging.getLogger("paged_jax")
 
-SOURCES = [Path(__file__).with_name("paged_decode.cc"), Path(__file__).with_name("linear.cc")]
+SOURCES = [Path(__file__).with_name(f) for f in ("paged_decode.cc", "linear.cc", "linear_int8.cc")]
 HEADERS = [Path(__file__).with_name("parallel.h")]
 TARGETS = {"float32": ("paged_jax_paged_decode_f32", "PagedDecodeF32"),
            "bfloat16": ("paged_jax_paged_decode_bf16", "PagedDecodeBF16")}
@@ -62,6 +62,7 @@ TARGET = TARGETS["float32"][0]
 LINEAR_TARGET = ("paged_jax_linear_f32", "LinearF32")
 SUM_TARGET = ("paged_jax_sum_f32", "SumF32")
 QUANTIZED_TARGETS = {8: ("paged_jax_linear_q8", "LinearQ8F32"), 4: ("paged_jax_linear_q4", "LinearQ4F32")}
+INT8_TARGET = ("paged_jax_linear_i8i8", "LinearI8I8")  # W8A8: int8 activations x int8 weights
 PANEL_WIDTHS = (48, 32, 16)
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w"]
 
@@ -133,9 +134,10 @@ def available() -> bool:
                     _build(path)
                 lib = ctypes.cdll.LoadLibrary(str(path))
                 for target, symbol in (*TARGETS.values(), *QUANTIZED_DECODE_TARGETS.values(), LINEAR_TARGET, SUM_TARGET,
-                                       *QUANTIZED_TARGETS.values()):
+                                       *QUANTIZED_TARGETS.values(), INT8_TARGET):
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-                _state.update(ok=True, library=str(path), avx512_matmul=bool(lib.PagedJaxLinearAvx512()))
+                _state.update(ok=True, library=str(path), avx512_matmul=bool(lib.PagedJaxLinearAvx512()),
+                              vnni_matmul=bool(lib.PagedJaxLinearVnni()))
             except Exception as e:  # no compiler, a failed build, an FFI this jaxlib lacks: run the jnp path
                 _state.update(ok=False, error=str(e))
                 logger.warning("native CPU kernels unavailable, using XLA's (jnp decode attention, XLA "
@@ -319,6 +321,59 @@ def linear_quantized(x, panels, scale_panels, bits: int, zero_panels=None) -> "j
     return y.reshape(*lead, P * W)
 
 
+def int8_packable(p) -> bool:
+    """Whether :func:`pack_int8` takes a ``QuantizedLinear``: W8A8 (int8 activations per token,
+    ``act="int8"``) with int8 weights and one scale per column or for the tensor, no zero points
+    or activation order, and inputs a multiple of 4."""
+    import jax.numpy as jnp
+
+    return (p.act == "int8" and p.bits == 8 and p.values.dtype == jnp.int8 and p.zero is None
+            and p.g_idx is None and p.scale.shape[0] == 1 and p.in_features % 4 == 0
+            and p.values.shape[0] == p.in_features)
+
+
+def pack_int8(p):
+    """A W8A8 ``QuantizedLinear`` (see :func:`int8_packable`) as (panels ``[P, K / 4, W * 4]`` int8,
+    each panel's rows interleaved four at a time per column, VNNI's operand layout; column sums
+    ``[P, W]`` int32; scales ``[P, W]`` float32), output columns padded to a panel width."""
+    import jax.numpy as jnp
+
+    K, n_out = p.values.shape
+    w = np.asarray(p.values)
+    W = panel_width(n_out) or PANEL_WIDTHS[0]
+    n = -(-n_out // W) * W
+    w = np.pad(w, ((0, 0), (0, n - n_out)))
+    panels = w.reshape(K // 4, 4, n // W, W).transpose(2, 0, 3, 1).reshape(n // W, K // 4, W * 4)
+    sums = w.astype(np.int32).sum(axis=0).reshape(n // W, W)
+    scale = np.broadcast_to(np.asarray(p.scale, dtype=np.float32), (1, n_out))
+    scales = np.pad(scale, ((0, 0), (0, n - n_out))).reshape(n // W, W)
+    return jnp.asarray(np.ascontiguousarray(panels)), jnp.asarray(sums), jnp.asarray(scales)
+
+
+def linear_int8(xq, x_scale, panels, sums, scales) -> "jax.Array":
+    """``(xq @ w) * x_scale * w_scale`` for int8 activations ``xq`` (``[..., K]``, with their
+    per-token scales ``[..., 1]``) and a weight held as :func:`pack_int8` panels: the native kernel
+    on a CPU once the kernels are registered, else XLA's int8 dot on the unpacked weight. float32."""
+    import jax
+    import jax.numpy as jnp
+
+    P, quads, W4 = panels.shape
+    K, W = quads * 4, W4 // 4
+    if xq.shape[-1] != K or xq.dtype != jnp.int8 or sums.shape != (P, W) or scales.shape != (P, W):
+        raise ValueError(f"linear_int8: x {xq.shape} {xq.dtype}, panels {panels.shape}, sums {sums.shape}, "
+                         f"scales {scales.shape} do not fit")
+    lead = xq.shape[:-1]
+    xs = x_scale.reshape(lead).astype(jnp.float32)
+    if jax.default_backend() != "cpu" or not _state.get("ok"):
+        w = panels.reshape(P, quads, W, 4).transpose(1, 3, 0, 2).reshape(K, P * W)
+        acc = jax.lax.dot_general(xq, w, (((xq.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
+        return acc.astype(jnp.float32) * xs[..., None] * scales.reshape(P * W)
+    m = math.prod(lead)
+    y = jax.ffi.ffi_call(INT8_TARGET[0], jax.ShapeDtypeStruct((m, P * W), jnp.float32))(
+        xq.reshape(m, K), xs.reshape(m), panels, sums, scales)
+    return y.reshape(*lead, P * W)
+
+
 def read_sum(x) -> "jax.Array":
     """The float32 sum of ``x`` (any shape), read as the native matmul reads its weights
     (prefetched, shared over XLA's threads): the bandwidth probe of ``experiments/roofline.py``."""
@@ -350,10 +405,13 @@ def pack_params(params, floats: bool = True):
     are slower than XLA's; the quantized one's are still far faster than XLA's dequantize-then-dot)."""
     import jax.numpy as jnp
 
-    from paged_jax.models.weights import (DenseEmbedding, DenseLinear, PanelEmbedding, PanelLinear,
+    from paged_jax.models.weights import (DenseEmbedding, DenseLinear, PanelEmbedding, PanelInt8Linear, PanelLinear,
                                           PanelQuantizedLinear, QuantizedLinear, map_weights)
 
     def pack(x):
+        if isinstance(x, QuantizedLinear) and _state.get("vnni_matmul") and int8_packable(x):
+            panels, sums, scales = pack_int8(x)
+            return PanelInt8Linear(panels, sums, scales, x.b, out_features=x.values.shape[1], parallel=x.parallel)
         if isinstance(x, QuantizedLinear) and quantized_packable(x):
             panels, scales, zeros, order = pack_quantized(x)
             return PanelQuantizedLinear(panels, scales, zeros, order, x.b, bits=x.bits,

@@ -28,8 +28,8 @@ namespace ffi = xla::ffi;
 
 namespace {
 
-constexpr int64_t kRows = 8;          // rows of x per register tile
-constexpr int64_t kRowChunk = 1024;   // rows of x per pass over the weights
+constexpr int64_t kRows = 8;  // rows of x per register tile
+using paged_jax_native::ForEachPanelChunk;
 // Tunable when building: PAGED_JAX_NATIVE_FLAGS=-DPAGED_JAX_PREFETCH=... (1536 to 12288 measured alike here).
 #ifndef PAGED_JAX_PREFETCH
 #define PAGED_JAX_PREFETCH 3072
@@ -101,20 +101,6 @@ void Tiles(const float* x, int64_t ldx, int64_t m0, int64_t m1, const float* pan
       default: Tile<1, W, Add>(xs, ldx, panel, ys, ldy, K, pf); break;
     }
   }
-}
-
-// Calls fn(panel, first row, end row) for every unit of work, (row chunk, panel), over XLA's
-// threads; panels innermost so that a thread's range runs along the panel stream. Few panels and
-// many rows (a narrow projection in a long prefill): shorter row chunks, so that every thread gets work.
-template <typename F>
-void ForEachPanelChunk(ffi::ThreadPool& pool, int64_t M, int64_t P, F fn) {
-  const int64_t threads = std::max<int64_t>(1, pool.num_threads()) + 1;
-  int64_t rows = kRowChunk;
-  while (rows > 8 * kRows && P * ((M + rows - 1) / rows) < 2 * threads) rows /= 2;
-  const int64_t chunks = (M + rows - 1) / rows;
-  paged_jax_native::ParallelRanges(pool, P * chunks, 2, [=](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) fn(u % P, (u / P) * rows, std::min(M, (u / P) * rows + rows));
-  });
 }
 
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,

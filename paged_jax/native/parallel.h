@@ -43,4 +43,20 @@ inline void ParallelRanges(xla::ffi::ThreadPool& pool, int64_t n, int64_t chunks
   while (st->done.load(std::memory_order_acquire) < st->chunks) std::this_thread::yield();
 }
 
+// The matmuls' work units: calls fn(panel, first row, end row) for every (row chunk, panel) of
+// an [M, K] x [K, P panels] product, over XLA's threads; panels innermost so that a thread's range
+// runs along the panel stream. Rows of x per pass over the weights: 1024, fewer when few panels and
+// many rows (a narrow projection in a long prefill), so that every thread gets work.
+template <typename F>
+void ForEachPanelChunk(xla::ffi::ThreadPool& pool, int64_t M, int64_t P, F fn) {
+  constexpr int64_t kRowChunk = 1024, kMinRows = 64;
+  const int64_t threads = std::max<int64_t>(1, pool.num_threads()) + 1;
+  int64_t rows = kRowChunk;
+  while (rows > kMinRows && P * ((M + rows - 1) / rows) < 2 * threads) rows /= 2;
+  const int64_t chunks = (M + rows - 1) / rows;
+  ParallelRanges(pool, P * chunks, 2, [=](int64_t u0, int64_t u1) {
+    for (int64_t u = u0; u < u1; ++u) fn(u % P, (u / P) * rows, std::min(M, (u / P) * rows + rows));
+  });
+}
+
 }  // namespace paged_jax_native
