@@ -268,6 +268,38 @@ def test_quantized_linear_matches_numpy(bits, M, K, N, groups, per_tensor, zero,
 
 
 @needs_native
+@pytest.mark.parametrize("M", [1, 5, 33])
+@pytest.mark.parametrize("scales", ["tensor", "column", "block"])
+@pytest.mark.parametrize("act", [None, "fp8"])
+def test_fp8_weights_match_numpy(M, scales, act):
+    """fp8 e4m3 weights (every code but NaN, subnormals included) per tensor, per column and in
+    32 x 32 blocks, with float or fp8 activations (rounded per token first, as QuantizedLinear
+    does), against numpy's decoding of the codes and XLA's dequantizing matmul."""
+    import ml_dtypes
+
+    from paged_jax.models.weights import QuantizedLinear, quantize_per_token
+
+    rng = np.random.default_rng(M)
+    K, N = 256, 80
+    codes = rng.integers(0, 256, size=(K, N)).astype(np.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0x10  # no NaN
+    codes[0, :N] = np.arange(N, dtype=np.uint8)  # small codes: zero and the subnormals
+    values = codes.view(ml_dtypes.float8_e4m3fn)
+    shape, block = {"tensor": ((1, 1), (K, N)), "column": ((1, N), (K, 1)), "block": ((K // 32, 3), (32, 32))}[scales]
+    scale = rng.uniform(0.01, 0.1, size=shape).astype(np.float32)
+    p = QuantizedLinear(jnp.asarray(values), jnp.asarray(scale), in_features_=K, block=block, act=act)
+    assert native.quantized_packable(p)
+    full = np.repeat(np.repeat(scale, block[0], axis=0), block[1], axis=1)[:K, :N].astype(np.float64)
+    w = values.astype(np.float64) * full
+    x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
+    xr = x if act is None else (lambda q, s: q.astype(jnp.float32) * s)(*quantize_per_token(x, act))
+    packed = native.pack_params({"w": p})["w"]
+    got = np.asarray(jax.jit(packed.__call__)(x))
+    np.testing.assert_allclose(got, np.asarray(xr, np.float64) @ w, rtol=1e-5, atol=1e-5 * np.sqrt(K))
+    np.testing.assert_allclose(got, np.asarray(p(x)), rtol=1e-5, atol=1e-5 * np.sqrt(K))
+
+
+@needs_native
 @pytest.mark.parametrize("bits", [8, 4])
 def test_register_tiles_and_float_slabs_agree_to_the_bit(bits):
     """Rows 0-3 of a 12-row product (float32 slabs) equal the same rows run alone (register tiles)."""
@@ -288,19 +320,19 @@ def test_pack_params_packs_the_quantized_weights_the_kernel_takes_and_leaves_the
     p8, _ = _quantized(rng, 64, 32, 8, 2)
     p4, _ = _quantized(rng, 64, 40, 4, 4)
     fp8 = QuantizedLinear(jnp.asarray(rng.standard_normal((64, 32)), dtype=jnp.float8_e4m3fn),
-                          jnp.ones((1, 32)), in_features_=64)
-    w8a8 = QuantizedLinear(p8.values, p8.scale, in_features_=64, act="int8")
+                          jnp.ones((1, 32)), in_features_=64, bits=4)  # values that contradict the bits
+    w8a8 = QuantizedLinear(p8.values, p8.scale, in_features_=64, act="int8")  # groups: float32 after rounding x
     asym, _ = _quantized(rng, 64, 32, 4, 2, zero=True, act_order=True)
     uneven = QuantizedLinear(asym.values, asym.scale, zero=asym.zero, g_idx=jnp.zeros(64, jnp.int32), bits=4,
                              in_features_=64, block=(32, 1))  # one group of 64 rows, one of none
     weights = {"a": p8, "b": p4, "c": fp8, "d": w8a8, "e": asym, "f": uneven}
     packed = native.pack_params(weights)
-    assert all(isinstance(packed[k], PanelQuantizedLinear) for k in "abe")
+    assert all(isinstance(packed[k], PanelQuantizedLinear) for k in "abde")
     assert packed["b"].panels.dtype == jnp.uint8 and packed["b"].out_features == 40
-    assert packed["e"].zeros is not None and packed["e"].order is not None
-    assert all(packed[k] is weights[k] for k in "cdf")
+    assert packed["e"].zeros is not None and packed["e"].order is not None and packed["d"].act == "int8"
+    assert all(packed[k] is weights[k] for k in "cf")
     x = jnp.asarray(rng.standard_normal((3, 64)).astype(np.float32))
-    for k in "abe":
+    for k in "abde":
         np.testing.assert_allclose(np.asarray(packed[k](x)), np.asarray(weights[k](x)), rtol=1e-5, atol=1e-4)
 
 
@@ -338,7 +370,7 @@ def test_int8_by_int8_linear_matches_numpy_and_xla_to_the_bit(M, K, N, per_tenso
 
 @needs_native
 def test_pack_params_packs_w8a8_only_where_vnni_runs_it():
-    from paged_jax.models.weights import PanelInt8Linear, QuantizedLinear
+    from paged_jax.models.weights import PanelInt8Linear, PanelQuantizedLinear, QuantizedLinear
 
     rng = np.random.default_rng(3)
     p, _, _ = _w8a8(rng, 64, 32)
@@ -346,4 +378,6 @@ def test_pack_params_packs_w8a8_only_where_vnni_runs_it():
     grouped = QuantizedLinear(p.values, jnp.ones((2, 32)), in_features_=64, act="int8", block=(32, 1))
     packed = native.pack_params({"a": p, "odd": odd, "grouped": grouped})
     assert isinstance(packed["a"], PanelInt8Linear) == native.status()["vnni_matmul"]
-    assert packed["odd"] is odd and packed["grouped"] is grouped
+    assert packed["odd"] is odd  # XLA's integer dot
+    # scales per group: not an integer matmul, QuantizedLinear multiplies the rounded activations in float32
+    assert isinstance(packed["grouped"], PanelQuantizedLinear) and packed["grouped"].act == "int8"

@@ -428,7 +428,7 @@ def test_tiny_llama_logits_pallas_vs_reference(tiny_llama_dir):
         logits = {}
         for b, r in runners.items():
             out, batch = r.run(chunks[b])
-            logits[b] = out[batch.logits_indices[: batch.num_seqs]]
+            logits[b] = out[batch.last_token[: batch.num_seqs]]
         np.testing.assert_allclose(logits["pallas-interpret"], logits["reference"], atol=1e-4, rtol=0)
         nxt = logits["reference"].argmax(-1)
         for s, tok in zip(seqs, nxt):

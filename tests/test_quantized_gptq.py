@@ -113,10 +113,10 @@ def test_gptq_v1_zeros_of_zero_borrowed_from_their_neighbour_and_are_restored_ex
     np.testing.assert_allclose(np.asarray(got), o["dequantized"], rtol=1e-6, atol=0)
 
 
-@pytest.mark.parametrize("name", ["gptq-qwen2-w8ch", "gptq-llama-w4g128-act", "awq-llama-w4g128"])
-def test_native_cpu_matmul_takes_gptq_and_awq_with_zero_points_and_activation_order(name):
-    """Symmetric, asymmetric with activation order, AWQ with zero points: every int linear is
-    packed for the native matmul (and the greedy test above runs them through it)."""
+@pytest.mark.parametrize("name", ["gptq-qwen2-w8ch", "gptq-llama-w4g128-act", "awq-llama-w4g128", "fp8-llama-block64"])
+def test_native_cpu_matmul_takes_gptq_awq_and_fp8_with_zero_points_activation_order_and_blocks(name):
+    """Symmetric, asymmetric with activation order, AWQ with zero points, fp8 in 64 x 64 blocks:
+    every linear is packed for the native matmul (and the greedy test above runs them through it)."""
     from paged_jax import native
 
     llm = LLM(str(FIXTURES / name), dtype="float32", max_model_len=128)

@@ -45,11 +45,6 @@ class Batch(AttentionMetadata):
     rope_lengths: jax.Array = array_field("T")
 
     @property
-    def logits_indices(self):
-        """Flat index of each sequence's last token: the rows whose logits are sampled."""
-        return self.last_token
-
-    @property
     def shape_key(self) -> tuple[int, int, int, int]:
         """(tokens T, sequences S, blocks per table B, query tiles N): what a step compiles for."""
         return (self.input_ids.shape[0], self.block_tables.shape[0], self.block_tables.shape[1],

@@ -87,7 +87,7 @@ def make_step(config: ModelConfig, attn):
 
     def step(params, kv_caches, batch: Batch, all_logits: bool):
         hidden, kv_caches = forward(params, config, batch.input_ids, batch.positions, kv_caches, batch, attn)
-        rows = hidden if all_logits else hidden[batch.logits_indices]
+        rows = hidden if all_logits else hidden[batch.last_token]
         return compute_logits(params, config, rows), kv_caches
 
     return step
@@ -275,7 +275,7 @@ class ModelRunner:
         from ``logits`` (one per batch row; possibly not computed yet). Returns ``(picks, outputs)``
         for :meth:`_collect_samples`: the scheduled row of each sampler row, and the sampler's
         output on the device; None when no row samples."""
-        row_of_logits = batch.logits_indices if all_logits else np.arange(len(batch.logits_indices))
+        row_of_logits = batch.last_token if all_logits else np.arange(len(batch.last_token))
         # One sampler row per sample asked for: its scheduled row, and its batch row's logits.
         picks, rows, logit_rows = [], [], []
         num_top = 0
@@ -318,7 +318,7 @@ class ModelRunner:
 
     def _prompt_logprobs(self, row, want: int, logits, batch: Batch, i: int) -> list[dict[int, float]]:
         """Top-``want`` logprob entries of the prompt tokens that follow the tokens this row ran."""
-        start = int(batch.logits_indices[i]) - row.num_tokens + 1
+        start = int(batch.last_token[i]) - row.num_tokens + 1
         tokens = row.seq.get_token_ids()
         # Token at position p predicts the token at p + 1; only prompt tokens are scored.
         last = min(row.start_pos + row.num_tokens, row.seq.get_prompt_len() - 1)

@@ -209,21 +209,22 @@ class QuantizedLinear:
 
 @_pytree
 class PanelQuantizedLinear:
-    """The same function as a :class:`QuantizedLinear` of int8 or int4 values with scales (and
+    """The same function as a :class:`QuantizedLinear` of int8, int4 or fp8 values with scales (and
     zero points) per column and group of rows, stored as column panels for the native CPU matmul
-    (:func:`paged_jax.native.pack_quantized` makes it): values ``[P, in, W]`` int8 or
+    (:func:`paged_jax.native.pack_quantized` makes it): values ``[P, in, W]`` int8 or float8, or
     ``[P, in / 2, W]`` uint8, scales ``[P, groups, W]`` float32, zeros the same or None; columns
     past ``out_features`` are padding and are cut off. ``order``: for a weight in activation
     order, the original row of each packed row (its groups made contiguous): the input's
     features are taken in that order."""
 
-    STATIC = ("bits", "out_features", "parallel")
+    STATIC = ("bits", "act", "out_features", "parallel")
     panels: Any
     scales: Any
     zeros: Any = None
     order: Any = None
     b: Any = None
     bits: int = 8
+    act: Optional[str] = None
     out_features: int = 0
     parallel: Optional[str] = None
 
@@ -234,11 +235,16 @@ class PanelQuantizedLinear:
     def __call__(self, x):
         from paged_jax import native
 
+        dtype = x.dtype
+        if self.act is not None:  # as QuantizedLinear: the rounded activations, multiplied in float32
+            xq, xs = quantize_per_token(x, self.act)
+            x = xq.astype(jnp.float32) * xs
         if self.order is not None:
             x = jnp.take(x, self.order, axis=-1)
         y = native.linear_quantized(x, self.panels, self.scales, self.bits, self.zeros)
         if y.shape[-1] != self.out_features:
             y = y[..., :self.out_features]
+        y = y.astype(dtype)
         return y if self.b is None else y + self.b
 
 

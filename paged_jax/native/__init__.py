@@ -61,7 +61,9 @@ QUANTIZED_DECODE_TARGETS = {"int8": ("paged_jax_paged_decode_q8", "PagedDecodeQ8
 TARGET = TARGETS["float32"][0]
 LINEAR_TARGET = ("paged_jax_linear_f32", "LinearF32")
 SUM_TARGET = ("paged_jax_sum_f32", "SumF32")
-QUANTIZED_TARGETS = {8: ("paged_jax_linear_q8", "LinearQ8F32"), 4: ("paged_jax_linear_q4", "LinearQ4F32")}
+# quantized weights against float32 activations, by the panels' dtype (uint8: int4, two to a byte)
+QUANTIZED_TARGETS = {"int8": ("paged_jax_linear_q8", "LinearQ8F32"), "uint8": ("paged_jax_linear_q4", "LinearQ4F32"),
+                     "float8_e4m3fn": ("paged_jax_linear_fp8", "LinearFp8F32")}
 INT8_TARGET = ("paged_jax_linear_i8i8", "LinearI8I8")  # W8A8: int8 activations x int8 weights
 PANEL_WIDTHS = (48, 32, 16)
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w"]
@@ -241,19 +243,24 @@ def linear(x, w_panels) -> "jax.Array":
 
 
 def quantized_packable(p) -> bool:
-    """Whether :func:`pack_quantized` takes a ``QuantizedLinear``: int8 or int4 values with a scale
-    (and optionally a zero point) per column, or one for the tensor, and per group of whole rows
-    (an even count for int4), the groups contiguous or in activation order (``g_idx``: then every
-    group must have as many rows as the others, as GPTQ writes them); no activation quantization."""
+    """Whether :func:`pack_quantized` takes a ``QuantizedLinear``: int8, int4 or fp8 e4m3 values
+    with scales (and optionally zero points) per block of whole groups of rows (an even count for
+    int4) and any columns (per column, per tensor, 2-D blocks), the groups contiguous or in
+    activation order (``g_idx``: then every group must have as many rows as the others, as GPTQ
+    writes them). Activations quantized at run time are taken where the weight's own matmul
+    quantizes them and multiplies in float32 (W8A8 with int8 weights per column is an integer
+    matmul: :func:`int8_packable`)."""
     import jax.numpy as jnp
 
-    if p.act is not None or p.bits not in QUANTIZED_TARGETS:
-        return False
-    if (p.bits == 8) != (p.values.dtype == jnp.int8) or p.bits == 4 and p.values.dtype != jnp.uint8:
+    fmt = {jnp.dtype(jnp.int8): 8, jnp.dtype(jnp.uint8): 4, jnp.dtype(jnp.float8_e4m3fn): 8}.get(p.values.dtype)
+    if fmt is None or fmt != p.bits:
         return False
     n_in, n_out = p.in_features, p.values.shape[1]
     rows, cols = p._block(n_out)
     groups = p.scale.shape[0]
+    if p.act is not None and (p.act == "int8" and p.values.dtype == jnp.int8 and groups == 1 and p.zero is None
+                              and p.g_idx is None):
+        return False
     if p.zero is not None and p.zero.shape != p.scale.shape:
         return False
     if p.g_idx is not None:
@@ -261,8 +268,7 @@ def quantized_packable(p) -> bool:
         if g_idx.shape != (n_in,) or g_idx.min() < 0 or g_idx.max() >= groups or \
                 not np.all(np.bincount(g_idx, minlength=groups) == rows):
             return False
-    return (p.scale.shape[1] in (1, n_out) and (cols == 1 or p.scale.shape[1] == 1) and rows * groups == n_in
-            and (p.bits == 8 or rows % 2 == 0))
+    return rows * groups == n_in and cols * p.scale.shape[1] >= n_out and (p.bits == 8 or rows % 2 == 0)
 
 
 def pack_quantized(p):
@@ -276,23 +282,25 @@ def pack_quantized(p):
     from paged_jax.models.quantization import _pack_nibbles
 
     n_out = p.values.shape[1]
+    cols = p._block(n_out)[1]
     values, order = p.values, None
     if p.g_idx is not None:
         order = np.argsort(np.asarray(p.g_idx), kind="stable").astype(np.int32)
         sorted_rows = np.asarray(p.unpacked())[order]
         values = _pack_nibbles(sorted_rows) if p.bits == 4 else sorted_rows
         order = jnp.asarray(order)
-    scale = jnp.broadcast_to(p.scale.astype(jnp.float32), (p.scale.shape[0], n_out))
-    zero = None
-    if p.zero is not None:
-        zero = pack_padded(jnp.broadcast_to(p.zero.astype(jnp.float32), (p.zero.shape[0], n_out)))
-    return pack_padded(jnp.asarray(values)), pack_padded(scale), zero, order
+
+    def per_column(a):  # [G, column blocks] -> [G, n_out] float32
+        return jnp.repeat(a.astype(jnp.float32), cols, axis=1)[:, :n_out]
+
+    zero = None if p.zero is None else pack_padded(per_column(p.zero))
+    return pack_padded(jnp.asarray(values)), pack_padded(per_column(p.scale)), zero, order
 
 
 def linear_quantized(x, panels, scale_panels, bits: int, zero_panels=None) -> "jax.Array":
     """``x @ w`` for the weight held as :func:`pack_quantized` panels (rows already in the panels'
-    order): the native kernel for float32 on a CPU once the kernels are registered, else XLA on
-    the dequantized weight."""
+    order; int8, int4 two to a byte, or fp8 e4m3, by the panels' dtype): the native kernel for
+    float32 on a CPU once the kernels are registered, else XLA on the dequantized weight."""
     import jax
     import jax.numpy as jnp
 
@@ -316,8 +324,8 @@ def linear_quantized(x, panels, scale_panels, bits: int, zero_panels=None) -> "j
         zero_panels = jnp.zeros((P, 0, W), jnp.float32)
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), K)
-    y = jax.ffi.ffi_call(QUANTIZED_TARGETS[bits][0], jax.ShapeDtypeStruct((x2.shape[0], P * W), jnp.float32))(
-        x2, panels, scale_panels, zero_panels)
+    y = jax.ffi.ffi_call(QUANTIZED_TARGETS[panels.dtype.name][0],
+                         jax.ShapeDtypeStruct((x2.shape[0], P * W), jnp.float32))(x2, panels, scale_panels, zero_panels)
     return y.reshape(*lead, P * W)
 
 
@@ -414,7 +422,7 @@ def pack_params(params, floats: bool = True):
             return PanelInt8Linear(panels, sums, scales, x.b, out_features=x.values.shape[1], parallel=x.parallel)
         if isinstance(x, QuantizedLinear) and quantized_packable(x):
             panels, scales, zeros, order = pack_quantized(x)
-            return PanelQuantizedLinear(panels, scales, zeros, order, x.b, bits=x.bits,
+            return PanelQuantizedLinear(panels, scales, zeros, order, x.b, bits=x.bits, act=x.act,
                                         out_features=x.values.shape[1], parallel=x.parallel)
         if floats and isinstance(x, DenseLinear) and x.w.ndim == 2 and x.w.dtype == jnp.float32:
             return PanelLinear(pack_padded(x.w), x.b, out_features=x.w.shape[1], parallel=x.parallel)

@@ -128,18 +128,19 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
   return ffi::Error::Success();
 }
 
-// Quantized weights: y = x @ ((q - zero) * scale), the weight read as int8 or packed int4 values
-// and turned into float32 on the way (decode at small batch is bound by the bytes of weight read,
-// 4 or 8 times fewer than float32). w: [P, K, W] int8, or [P, K / 2, W] uint8 with rows 2i and
-// 2i + 1 in the low and high nibbles of byte row i, each stored plus 8. scales: [P, G, W] float32,
-// one per column and group of K / G consecutive rows (G = 1: per column); zeros: the same shape,
-// in q's units (asymmetric weights), or [P, 0, W] for none. A weight in activation order (GPTQ's
-// g_idx) has its rows sorted by group when packed and x's columns gathered to match
-// (paged_jax.native.pack_quantized), so the kernel only ever sees contiguous groups.
+// Quantized weights: y = x @ ((q - zero) * scale), the weight read as int8, packed int4 or fp8
+// values and turned into float32 on the way (decode at small batch is bound by the bytes of
+// weight read, 4 or 8 times fewer than float32). w: [P, K, W] int8 or float8 e4m3fn, or
+// [P, K / 2, W] uint8 with rows 2i and 2i + 1 in the low and high nibbles of byte row i, each
+// stored plus 8. scales: [P, G, W] float32, one per column and group of K / G consecutive rows
+// (G = 1: per column); zeros: the same shape, in q's units (asymmetric weights), or [P, 0, W] for
+// none. A weight in activation order (GPTQ's g_idx) has its rows sorted by group when packed and
+// x's columns gathered to match (paged_jax.native.pack_quantized), so the kernel only ever sees
+// contiguous groups.
 //
 // Two ways, by the rows of x in a unit of work:
-// - up to kRegisterRows (decode at small batch): each weight becomes float32 in registers as it
-//   streams in and serves every row at once (QTile);
+// - up to kRegisterRows (decode at small batch): each int8 / int4 weight becomes float32 in
+//   registers as it streams in and serves every row at once (QTile);
 // - more: slabs of kSlab weight rows become float32 once, into a buffer that stays in L1, and
 //   the float tiles run over it (8 rows, as for float weights): the conversion is paid once per
 //   slab rather than once per 8 rows, and the float tile's registers hold no scales or zeros
@@ -151,29 +152,46 @@ constexpr int64_t kRegisterRows = 4;
 constexpr int64_t kSlab = 128;  // weight rows per float32 slab: 128 x 48 floats = 24 KiB
 
 struct QPanelView {
-  const uint8_t* values;  // this panel's [K or K / 2, W]
+  const uint8_t* values;  // this panel's [K or K / 2, W] bytes
   const float* scales;    // [G, W]
   const float* zeros;     // [G, W], or nullptr
   int64_t group;          // rows per group (K / G)
 };
 
-template <int Bits>
+// The stored value formats: int8, int4 (two rows to a byte, stored plus 8), float8 e4m3fn.
+enum class QFormat { kInt8, kInt4, kFp8 };
+
+template <QFormat F>
 inline const uint8_t* QRow(const uint8_t* panel, int64_t k, int64_t W) {
-  return Bits == 8 ? panel + k * W : panel + (k / 2) * W;
+  return F == QFormat::kInt4 ? panel + (k / 2) * W : panel + k * W;
 }
 
-template <int Bits>
+// e4m3fn bits to float32: sign, 4 exponent bits (bias 7), 3 mantissa bits; NaN is never stored
+// (quantizers clip to +-448). Both cases are computed and one is picked with a bit mask, so the
+// loops over it vectorise; subnormals go through an integer conversion, not a float32 subnormal
+// (which XLA's flush-to-zero would read as 0).
+inline float Fp8ToFloat(uint8_t bits) {
+  const uint32_t sign = static_cast<uint32_t>(bits & 0x80u) << 24, mag = bits & 0x7fu;
+  const uint32_t normal = (mag << 20) + (120u << 23);                                              // rebias 7 -> 127
+  const uint32_t subnormal = __builtin_bit_cast(uint32_t, static_cast<float>(mag) * 0x1p-9f);  // m / 8 * 2^-6
+  const uint32_t is_normal = 0u - static_cast<uint32_t>(mag >= 8);                             // all ones or 0
+  return __builtin_bit_cast(float, (normal & is_normal) | (subnormal & ~is_normal) | sign);
+}
+
+template <QFormat F>
 inline float QValue(const uint8_t* row, int64_t k, int64_t c) {
-  if (Bits == 8) return static_cast<float>(static_cast<int8_t>(row[c]));
+  if (F == QFormat::kInt8) return static_cast<float>(static_cast<int8_t>(row[c]));
+  if (F == QFormat::kFp8) return Fp8ToFloat(row[c]);
   return static_cast<float>(((row[c] >> ((k & 1) * 4)) & 0xF) - 8);
 }
 
 #if defined(__AVX512F__)
-template <int Bits, bool Zero>
+template <QFormat F, bool Zero>
 inline __m512 QLoad(const uint8_t* row, int64_t k, int v, __m512 scale, __m512 zero) {
+  static_assert(F != QFormat::kFp8, "fp8 weights take the float32 slabs only");
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v));
   __m512i q;
-  if (Bits == 8) {
+  if (F == QFormat::kInt8) {
     q = _mm512_cvtepi8_epi32(bytes);
   } else {
     q = _mm512_cvtepu8_epi32(bytes);
@@ -187,7 +205,7 @@ inline __m512 QLoad(const uint8_t* row, int64_t k, int v, __m512 scale, __m512 z
 #endif
 
 // Register tile: y[0:R, 0:W] = x[0:R, 0:K] @ the panel, dequantized as it is read.
-template <int R, int W, int Bits, bool Zero>
+template <int R, int W, QFormat F, bool Zero>
 inline void QTile(const float* x, int64_t ldx, const QPanelView& q, float* y, int64_t ldy, int64_t K) {
   const int64_t G = K / q.group;
 #if defined(__AVX512F__)
@@ -202,10 +220,10 @@ inline void QTile(const float* x, int64_t ldx, const QPanelView& q, float* y, in
       zv[v] = Zero ? _mm512_loadu_ps(q.zeros + g * W + 16 * v) : _mm512_setzero_ps();
     }
     for (int64_t k = g * q.group; k < (g + 1) * q.group; ++k) {
-      const uint8_t* row = QRow<Bits>(q.values, k, W);
+      const uint8_t* row = QRow<F>(q.values, k, W);
       __builtin_prefetch(row + 4 * kPrefetch, 0, 3);
       __m512 bv[V];
-      for (int v = 0; v < V; ++v) bv[v] = QLoad<Bits, Zero>(row, k, v, sv[v], zv[v]);
+      for (int v = 0; v < V; ++v) bv[v] = QLoad<F, Zero>(row, k, v, sv[v], zv[v]);
       for (int r = 0; r < R; ++r) {
         const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
         for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(a, bv[v], acc[r][v]);
@@ -217,11 +235,11 @@ inline void QTile(const float* x, int64_t ldx, const QPanelView& q, float* y, in
 #else
   float acc[R][W] = {};
   for (int64_t k = 0; k < K; ++k) {
-    const uint8_t* row = QRow<Bits>(q.values, k, W);
+    const uint8_t* row = QRow<F>(q.values, k, W);
     const float* sc = q.scales + (k / q.group) * W;
     const float* zc = Zero ? q.zeros + (k / q.group) * W : nullptr;
     float b[W];
-    for (int c = 0; c < W; ++c) b[c] = (Zero ? QValue<Bits>(row, k, c) - zc[c] : QValue<Bits>(row, k, c)) * sc[c];
+    for (int c = 0; c < W; ++c) b[c] = (Zero ? QValue<F>(row, k, c) - zc[c] : QValue<F>(row, k, c)) * sc[c];
     for (int r = 0; r < R; ++r) {
       const float a = x[r * ldx + k];
 #pragma omp simd
@@ -235,37 +253,39 @@ inline void QTile(const float* x, int64_t ldx, const QPanelView& q, float* y, in
 
 // Weight rows k0 .. k1 of a panel as float32, into out[(k1 - k0) x W]; reads the values once,
 // prefetching ahead in the panel stream.
-template <int W, int Bits, bool Zero>
+template <int W, QFormat F, bool Zero>
 void Dequantize(const QPanelView& q, int64_t k0, int64_t k1, float* out) {
   for (int64_t g = k0 / q.group, k = k0; k < k1; ++g) {
     const float* sc = q.scales + g * W;
     const float* zc = Zero ? q.zeros + g * W : nullptr;
     for (const int64_t end = std::min(k1, (g + 1) * q.group); k < end; ++k) {
-      const uint8_t* row = QRow<Bits>(q.values, k, W);
+      const uint8_t* row = QRow<F>(q.values, k, W);
       __builtin_prefetch(row + 4 * kPrefetch, 0, 3);
       float* o = out + (k - k0) * W;
 #pragma omp simd
-      for (int c = 0; c < W; ++c) o[c] = (Zero ? QValue<Bits>(row, k, c) - zc[c] : QValue<Bits>(row, k, c)) * sc[c];
+      for (int c = 0; c < W; ++c) o[c] = (Zero ? QValue<F>(row, k, c) - zc[c] : QValue<F>(row, k, c)) * sc[c];
     }
   }
 }
 
-template <int W, int Bits, bool Zero>
+template <int W, QFormat F, bool Zero>
 void QPanel(const float* x, int64_t m0, int64_t m1, int64_t K, const QPanelView& q, float* y, int64_t N) {
   const float* xs = x + m0 * K;  // register tiles
   float* ys = y + m0 * N;
-  switch (m1 - m0) {
-    case 1: return QTile<1, W, Bits, Zero>(xs, K, q, ys, N, K);
-    case 2: return QTile<2, W, Bits, Zero>(xs, K, q, ys, N, K);
-    case 3: return QTile<3, W, Bits, Zero>(xs, K, q, ys, N, K);
-    case 4: return QTile<4, W, Bits, Zero>(xs, K, q, ys, N, K);
-    default: break;
+  if constexpr (F != QFormat::kFp8) {  // fp8 always takes the slabs (no register conversion for it)
+    switch (m1 - m0) {
+      case 1: return QTile<1, W, F, Zero>(xs, K, q, ys, N, K);
+      case 2: return QTile<2, W, F, Zero>(xs, K, q, ys, N, K);
+      case 3: return QTile<3, W, F, Zero>(xs, K, q, ys, N, K);
+      case 4: return QTile<4, W, F, Zero>(xs, K, q, ys, N, K);
+      default: break;
+    }
   }
   static_assert(kRegisterRows == 4, "the cases above");
   alignas(64) float slab[kSlab * W];
   for (int64_t k0 = 0; k0 < K; k0 += kSlab) {
     const int64_t k1 = std::min(K, k0 + kSlab);
-    Dequantize<W, Bits, Zero>(q, k0, k1, slab);
+    Dequantize<W, F, Zero>(q, k0, k1, slab);
     if (k0 == 0)
       Tiles<W, false>(x + k0, K, m0, m1, slab, y, N, k1 - k0, false);
     else
@@ -273,7 +293,7 @@ void QPanel(const float* x, int64_t m0, int64_t m1, int64_t K, const QPanelView&
   }
 }
 
-template <int Bits>
+template <QFormat F>
 ffi::Error QImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::Buffer<ffi::F32> scales,
                  ffi::Buffer<ffi::F32> zeros, ffi::ResultBuffer<ffi::F32> y) {
   auto xd = x.dimensions(), wd = w.dimensions(), sd = scales.dimensions(), zd = zeros.dimensions(),
@@ -282,9 +302,9 @@ ffi::Error QImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w
     return ffi::Error::InvalidArgument(
         "quantized linear: expected x [M, K], w [P, K', W], scales [P, G, W], zeros [P, G or 0, W], y [M, N]");
   const int64_t M = xd[0], K = xd[1], P = wd[0], W = wd[2], G = sd[1];
-  const int64_t rows_stored = Bits == 8 ? K : K / 2;
+  const int64_t rows_stored = F == QFormat::kInt4 ? K / 2 : K;
   if (wd[1] != rows_stored || (W != 16 && W != 32 && W != 48) || sd[0] != P || sd[2] != W || G < 1 || K % G ||
-      (Bits == 4 && (K / G) % 2) || zd[0] != P || (zd[1] != G && zd[1] != 0) || zd[2] != W || yd[0] != M ||
+      (F == QFormat::kInt4 && (K / G) % 2) || zd[0] != P || (zd[1] != G && zd[1] != 0) || zd[2] != W || yd[0] != M ||
       yd[1] != P * W)
     return ffi::Error::InvalidArgument("quantized linear: sizes do not match (K a multiple of the groups, "
                                        "even groups for 4 bits, panels of 16, 32 or 48, zeros as scales or none)");
@@ -299,7 +319,7 @@ ffi::Error QImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w
     const QPanelView q{ws + p * rows_stored * W, ss + p * G * W, zs ? zs + p * G * W : nullptr, K / G};
     float* out = ys + p * W;
 #define PAGED_JAX_QPANEL(w)                                                              \
-  (zs ? QPanel<w, Bits, true>(xs, m0, m1, K, q, out, N) : QPanel<w, Bits, false>(xs, m0, m1, K, q, out, N))
+  (zs ? QPanel<w, F, true>(xs, m0, m1, K, q, out, N) : QPanel<w, F, false>(xs, m0, m1, K, q, out, N))
     switch (W) {
       case 48: PAGED_JAX_QPANEL(48); break;
       case 32: PAGED_JAX_QPANEL(32); break;
@@ -359,8 +379,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearF32, Impl,
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>());
 
-#define PAGED_JAX_QLINEAR(name, bits)                                                                 \
-  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, QImpl<bits>,                                                    \
+#define PAGED_JAX_QLINEAR(name, format)                                                               \
+  XLA_FFI_DEFINE_HANDLER_SYMBOL(name, QImpl<format>,                                                    \
                                 ffi::Ffi::Bind()                                                      \
                                     .Ctx<ffi::ThreadPool>()                                           \
                                     .Arg<ffi::Buffer<ffi::F32>>()                                     \
@@ -368,5 +388,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(LinearF32, Impl,
                                     .Arg<ffi::Buffer<ffi::F32>>()                                     \
                                     .Arg<ffi::Buffer<ffi::F32>>()                                     \
                                     .Ret<ffi::Buffer<ffi::F32>>());
-PAGED_JAX_QLINEAR(LinearQ8F32, 8)
-PAGED_JAX_QLINEAR(LinearQ4F32, 4)
+PAGED_JAX_QLINEAR(LinearQ8F32, QFormat::kInt8)
+PAGED_JAX_QLINEAR(LinearQ4F32, QFormat::kInt4)
+PAGED_JAX_QLINEAR(LinearFp8F32, QFormat::kFp8)
