@@ -245,12 +245,12 @@ def _quantized(rng, K, N, bits, groups, per_tensor=False, zero=False, act_order=
 
 @needs_native
 @pytest.mark.parametrize("bits", [8, 4])
-@pytest.mark.parametrize("M", [1, 4, 5, 9, 33])
+@pytest.mark.parametrize("M", [1, 8, 33])  # register tiles up to 8 rows; slabs: 8-row tiles and a tail
 @pytest.mark.parametrize("K,N,groups,per_tensor", [(64, 96, 1, False), (128, 80, 4, False), (256, 48, 2, False),
                                                    (32, 16, 1, True), (384, 32, 3, False)])
 @pytest.mark.parametrize("zero,act_order", [(False, False), (True, False), (True, True)])
 def test_quantized_linear_matches_numpy(bits, M, K, N, groups, per_tensor, zero, act_order):
-    """Register tiles (up to 4 rows) and float32 slabs (more rows; K 384 is three slabs), with and
+    """Register tiles (up to 8 rows) and float32 slabs (more rows; K 384 is three slabs), with and
     without zero points and activation order, against numpy and against XLA's dequantizing matmul."""
     if act_order and groups == 1:
         pytest.skip("one group: activation order changes nothing")
@@ -268,7 +268,7 @@ def test_quantized_linear_matches_numpy(bits, M, K, N, groups, per_tensor, zero,
 
 
 @needs_native
-@pytest.mark.parametrize("M", [1, 5, 33])
+@pytest.mark.parametrize("M", [1, 8, 33])  # register tiles, slabs
 @pytest.mark.parametrize("scales", ["tensor", "column", "block"])
 @pytest.mark.parametrize("act", [None, "fp8"])
 def test_fp8_weights_match_numpy(M, scales, act):
@@ -300,16 +300,22 @@ def test_fp8_weights_match_numpy(M, scales, act):
 
 
 @needs_native
-@pytest.mark.parametrize("bits", [8, 4])
-def test_register_tiles_and_float_slabs_agree_to_the_bit(bits):
+@pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
+def test_register_tiles_and_float_slabs_agree_to_the_bit(fmt):
     """Rows 0-3 of a 12-row product (float32 slabs) equal the same rows run alone (register tiles)."""
-    rng = np.random.default_rng(bits)
-    p, _ = _quantized(rng, 256, 96, bits, 2, zero=True)
+    from paged_jax.models.weights import QuantizedLinear
+
+    rng = np.random.default_rng(len(fmt))
+    if fmt == "fp8":
+        values = jnp.asarray(rng.standard_normal((256, 96)) * 8, dtype=jnp.float8_e4m3fn)
+        p = QuantizedLinear(values, jnp.asarray(rng.uniform(0.01, 0.1, (2, 96)).astype(np.float32)), in_features_=256)
+    else:
+        p, _ = _quantized(rng, 256, 96, 8 if fmt == "int8" else 4, 2, zero=True)
     panels, scales, zeros, _ = native.pack_quantized(p)
     x = jnp.asarray(rng.standard_normal((12, 256)).astype(np.float32))
     f = jax.jit(native.linear_quantized, static_argnums=3)
-    np.testing.assert_array_equal(np.asarray(f(x, panels, scales, bits, zeros))[:4],
-                                  np.asarray(f(x[:4], panels, scales, bits, zeros)))
+    np.testing.assert_array_equal(np.asarray(f(x, panels, scales, p.bits, zeros))[:4],
+                                  np.asarray(f(x[:4], panels, scales, p.bits, zeros)))
 
 
 @needs_native
