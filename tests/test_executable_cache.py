@@ -26,7 +26,8 @@ import jax, jax.monitoring
 events = Counter()
 def listen(event, seconds, fun_name="", **_):
     if event.startswith("/jax/core/compile/"):
-        events["step" if fun_name in ("step", "jit(step)") else "other"] += 1
+        name = fun_name[4:-1] if fun_name.startswith("jit(") else fun_name
+        events["step" if name == "step" else "sampler" if name in ("sample", "_take_rows") else "other"] += 1
 jax.monitoring.register_event_duration_secs_listener(listen)
 
 from paged_jax import LLM, SamplingParams, native
@@ -40,6 +41,7 @@ cache = runner.executable_cache
 print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "native": native.available(),
                   "on": cache is not None, "loaded": cache.loaded if cache else 0,
                   "stored": cache.stored if cache else 0, "step_events": events["step"],
+                  "sampler_events": events["sampler"],
                   "donated": all(x.is_deleted() for x in before)}))
 """
 
@@ -64,6 +66,7 @@ def test_second_process_loads_the_steps_and_traces_none(tiny_llama_dir, tmp_path
     warm = _start(tiny_llama_dir, cache)
     assert warm["loaded"] == cold["stored"] and warm["stored"] == 0
     assert warm["step_events"] == 0  # neither traced, lowered nor compiled
+    assert cold["sampler_events"] > 0 and warm["sampler_events"] == 0  # the sampler's variants neither
     assert warm["tokens"] == cold["tokens"] == off["tokens"]
     # The KV cache was donated through the loaded programs (updated in place), which held the
     # native kernels' FFI calls where this machine has them.

@@ -1,5 +1,5 @@
-"""The on-disk cache of compiled step programs: a fresh process loads them instead of tracing,
-lowering and compiling.
+"""The on-disk cache of compiled step programs (and of the sampler's variants, see below): a fresh
+process loads them instead of tracing, lowering and compiling.
 
 JAX's persistent compilation cache (see ``enable_compilation_cache``) skips XLA's compile, but it
 is keyed by the lowered program, so every step shape still pays for tracing and lowering (about
@@ -16,6 +16,11 @@ that decides the step's code, which is
   and weight layout, and each leaf's shape and dtype) and KV cache (block size, pool size,
   storage dtype);
 - the step's ``Batch.shape_key`` and ``all_logits``.
+
+The runner sends the jitted functions it calls after the step (the sampler and ``_take_rows``) through
+the same cache (:meth:`ExecutableCache.get_function`), under the same key with, in place of the
+step's shape, the function's name and its arguments' abstract values (tree structure with static
+fields, such as ``SamplingTensors``' flags, and each leaf's shape, dtype and sharding).
 
 An entry is a file named by a hash of that key, holding the key's full text beside the executable:
 a file whose text differs (a hash collision, a hand-copied file) is not loaded, and a file that
@@ -171,7 +176,8 @@ def runner_key(config, backend_name: str, params, kv_caches) -> str:
 
 
 class ExecutableCache:
-    """Compiled steps of one runner on disk, by ``(shape_key, all_logits)``."""
+    """Compiled programs of one runner on disk: its steps, by ``(shape_key, all_logits)``, and the
+    variants of the jitted functions it calls after them (the sampler), by abstract arguments."""
 
     def __init__(self, directory: Path, key: str, max_bytes: int = DEFAULT_MAX_MB << 20):
         self.directory, self.key, self.max_bytes = Path(directory), key, max_bytes
@@ -179,12 +185,24 @@ class ExecutableCache:
         self.load_seconds = 0.0  # reading and loading entries, hits and misses
 
     def _entry(self, shape_key, all_logits: bool) -> tuple[Path, str]:
-        text = f"{self.key}\nshape={tuple(shape_key)}\nall_logits={bool(all_logits)}"
-        return self.directory / f"step-{hashlib.sha256(text.encode()).hexdigest()[:32]}.jaxexe", text
+        return self._file("step", f"shape={tuple(shape_key)}\nall_logits={bool(all_logits)}")
+
+    def _file(self, prefix: str, what: str) -> tuple[Path, str]:
+        text = f"{self.key}\n{what}"
+        return self.directory / f"{prefix}-{hashlib.sha256(text.encode()).hexdigest()[:32]}.jaxexe", text
 
     def get(self, shape_key, all_logits: bool, lower: Callable[[], "jax.stages.Lowered"]) -> "jax.stages.Compiled":
         """The compiled step for this shape: loaded from disk, or ``lower().compile()`` and stored."""
-        path, text = self._entry(shape_key, all_logits)
+        return self._get(*self._entry(shape_key, all_logits), lower)
+
+    def get_function(self, name: str, args: tuple,
+                     lower: Callable[[], "jax.stages.Lowered"]) -> "jax.stages.Compiled":
+        """A jitted function of paged-jax's own (its code is in :func:`source_digest`), ``name``,
+        compiled for the abstract values of ``args`` (tree structure with its static fields, shapes,
+        dtypes, shardings): loaded from disk, or ``lower().compile()`` and stored."""
+        return self._get(*self._file(name, f"function={name}\nargs={_abstract(args)}"), lower)
+
+    def _get(self, path: Path, text: str, lower: Callable[[], "jax.stages.Lowered"]) -> "jax.stages.Compiled":
         t0 = time.perf_counter()
         compiled = self._load(path, text)
         self.load_seconds += time.perf_counter() - t0
