@@ -20,8 +20,9 @@ A step compiled for the executable cache is not written to JAX's persistent cach
 
 Printed per row: ``LLM(...)`` seconds, time to first token of the first call (from ``generate``),
 the first call's and the same process's second call's output tokens/s, the first over the second,
-the step shapes the executable cache loaded (and the seconds that took) and stored, and the seconds JAX spent tracing, lowering
-and compiling the step and everything else (sampler, cache ops). The machine is shared: compare
+the entries the executable cache loaded (step shapes and sampler variants; and the seconds that took)
+and stored, and the seconds JAX spent tracing, lowering and compiling the step and everything else
+(sampler, cache ops, ``LLM()``'s own jits). The machine is shared: compare
 rows within one round.
 """
 

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# Compiled programs (JAX's persistent cache and the compiled steps on disk) go to a directory of this
+# session, removed at its end, not the user's ~/.cache/paged_jax/jax_cache; set
+# PAGED_JAX_COMPILE_CACHE to keep them elsewhere. Child processes of the tests inherit it.
+if "PAGED_JAX_COMPILE_CACHE" not in os.environ:
+    _session_cache = tempfile.mkdtemp(prefix="paged-jax-test-cache-")
+    os.environ["PAGED_JAX_COMPILE_CACHE"] = _session_cache
+    atexit.register(shutil.rmtree, _session_cache, ignore_errors=True)
 
 import pytest
 

@@ -1,6 +1,7 @@
 """The on-disk cache of compiled steps (``paged_jax.executor.executable_cache``): a second process
 loads them and traces nothing, with the same tokens; an entry made for another key is never loaded;
-a corrupt entry is compiled again with a warning; the switches turn it off."""
+a corrupt entry is compiled again with a warning; the folder is kept under its size bound, least
+recently used entries first; the switches turn it off."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -24,7 +26,8 @@ import jax, jax.monitoring
 events = Counter()
 def listen(event, seconds, fun_name="", **_):
     if event.startswith("/jax/core/compile/"):
-        events["step" if fun_name in ("step", "jit(step)") else "other"] += 1
+        name = fun_name[4:-1] if fun_name.startswith("jit(") else fun_name
+        events["step" if name == "step" else "sampler" if name in ("sample", "_take_rows") else "other"] += 1
 jax.monitoring.register_event_duration_secs_listener(listen)
 
 from paged_jax import LLM, SamplingParams, native
@@ -38,6 +41,7 @@ cache = runner.executable_cache
 print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "native": native.available(),
                   "on": cache is not None, "loaded": cache.loaded if cache else 0,
                   "stored": cache.stored if cache else 0, "step_events": events["step"],
+                  "sampler_events": events["sampler"],
                   "donated": all(x.is_deleted() for x in before)}))
 """
 
@@ -62,6 +66,7 @@ def test_second_process_loads_the_steps_and_traces_none(tiny_llama_dir, tmp_path
     warm = _start(tiny_llama_dir, cache)
     assert warm["loaded"] == cold["stored"] and warm["stored"] == 0
     assert warm["step_events"] == 0  # neither traced, lowered nor compiled
+    assert cold["sampler_events"] > 0 and warm["sampler_events"] == 0  # the sampler's variants neither
     assert warm["tokens"] == cold["tokens"] == off["tokens"]
     # The KV cache was donated through the loaded programs (updated in place), which held the
     # native kernels' FFI calls where this machine has them.
@@ -85,6 +90,7 @@ def cache_dir(tmp_path, monkeypatch):
 
     monkeypatch.delenv("PAGED_JAX_NO_COMPILE_CACHE", raising=False)
     monkeypatch.delenv("PAGED_JAX_NO_EXECUTABLE_CACHE", raising=False)
+    monkeypatch.delenv("PAGED_JAX_EXECUTABLE_CACHE_MAX_MB", raising=False)
     monkeypatch.setattr(executable_cache, "cache_dir", lambda: tmp_path / "executables")
     return tmp_path / "executables"
 
@@ -99,13 +105,13 @@ def _runner(model, **kw):
     return LLM(str(model), **{**args, **kw}).llm_engine.runner
 
 
-def _compile(runner):
-    """The runner's step for SHAPE, through the cache; returns how many entries it loaded."""
+def _compile(runner, shape=SHAPE):
+    """The runner's step for ``shape``, through the cache; returns how many entries it loaded."""
     from paged_jax.executor.batch import Batch
 
     cache = runner.executable_cache
     before = cache.loaded
-    runner._compile(Batch.abstract(SHAPE), False)
+    runner._compile(Batch.abstract(shape), False)
     return cache.loaded - before
 
 
@@ -155,16 +161,57 @@ def test_a_corrupt_entry_compiles_again_with_a_warning(tiny_llama_dir, cache_dir
     assert _compile(_runner(tiny_llama_dir)) == 1  # overwritten, loads again
 
 
+def test_the_least_recently_used_entries_go_past_the_size_bound(tiny_llama_dir, cache_dir, monkeypatch):
+    """Storing an entry prunes the folder to PAGED_JAX_EXECUTABLE_CACHE_MAX_MB, least recently used
+    first; loading an entry makes it recently used."""
+    monkeypatch.setenv("PAGED_JAX_EXECUTABLE_CACHE_MAX_MB", "15")
+    assert _compile(_runner(tiny_llama_dir)) == 0  # stored
+    (used,) = cache_dir.glob("*.jaxexe")
+    now = time.time()
+    os.utime(used, (now - 1000, now - 1000))  # stored long ago...
+    old = []
+    for i, age in enumerate((300, 200)):  # two stale entries of 10 MB (sparse files), the first the older
+        path = cache_dir / f"step-stale{i}.jaxexe"
+        with open(path, "wb") as f:
+            f.truncate(10 << 20)
+        os.utime(path, (now - age, now - age))
+        old.append(path)
+    assert _compile(_runner(tiny_llama_dir)) == 1  # ...and loaded now: the most recently used
+    assert used.exists() and all(p.exists() for p in old)  # loading stores nothing, so prunes nothing
+    assert _compile(_runner(tiny_llama_dir), (1, 1, 4, 0)) == 0  # stored: 20 MB and two steps, over 15 MB
+    assert not old[0].exists()  # the least recently used went...
+    assert used.exists() and old[1].exists()  # ...and that was enough:
+    (made,) = set(cache_dir.glob("*.jaxexe")) - {used, *old}
+    assert used.stat().st_size + made.stat().st_size < 5 << 20  # the steps fit beside one stale entry
+    assert _compile(_runner(tiny_llama_dir)) == 1
+
+
+def test_the_size_bound_setting(monkeypatch):
+    from paged_jax.executor import executable_cache
+
+    monkeypatch.delenv("PAGED_JAX_EXECUTABLE_CACHE_MAX_MB", raising=False)
+    assert executable_cache.max_bytes() == 2048 << 20
+    monkeypatch.setenv("PAGED_JAX_EXECUTABLE_CACHE_MAX_MB", "0.5")
+    assert executable_cache.max_bytes() == 512 << 10
+    monkeypatch.setenv("PAGED_JAX_EXECUTABLE_CACHE_MAX_MB", "lots")
+    assert executable_cache.max_bytes() == 2048 << 20
+
+
 @pytest.mark.parametrize("switch", ["PAGED_JAX_NO_EXECUTABLE_CACHE", "PAGED_JAX_NO_COMPILE_CACHE"])
 def test_switches_turn_it_off(tiny_llama_dir, tmp_path, monkeypatch, switch):
     from paged_jax.executor import executable_cache
 
+    session_cache = os.environ.get("PAGED_JAX_COMPILE_CACHE")
     monkeypatch.setenv("PAGED_JAX_COMPILE_CACHE", str(tmp_path))
     monkeypatch.delenv("PAGED_JAX_NO_COMPILE_CACHE", raising=False)
     assert executable_cache.cache_dir() == tmp_path / "executables"
     monkeypatch.setenv(switch, "1")
     assert executable_cache.cache_dir() is None
-    monkeypatch.delenv("PAGED_JAX_COMPILE_CACHE")  # JAX's own cache stays where the session has it
+    # JAX's own cache stays where the session has it (tests/conftest.py: a temporary directory)
+    if session_cache is None:
+        monkeypatch.delenv("PAGED_JAX_COMPILE_CACHE")
+    else:
+        monkeypatch.setenv("PAGED_JAX_COMPILE_CACHE", session_cache)
     assert _runner(tiny_llama_dir).executable_cache is None
 
 

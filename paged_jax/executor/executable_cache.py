@@ -1,5 +1,5 @@
-"""The on-disk cache of compiled step programs: a fresh process loads them instead of tracing,
-lowering and compiling.
+"""The on-disk cache of compiled step programs (and of the sampler's variants, see below): a fresh
+process loads them instead of tracing, lowering and compiling.
 
 JAX's persistent compilation cache (see ``enable_compilation_cache``) skips XLA's compile, but it
 is keyed by the lowered program, so every step shape still pays for tracing and lowering (about
@@ -17,6 +17,11 @@ that decides the step's code, which is
   storage dtype);
 - the step's ``Batch.shape_key`` and ``all_logits``.
 
+The runner sends the jitted functions it calls after the step (the sampler and ``_take_rows``) through
+the same cache (:meth:`ExecutableCache.get_function`), under the same key with, in place of the
+step's shape, the function's name and its arguments' abstract values (tree structure with static
+fields, such as ``SamplingTensors``' flags, and each leaf's shape, dtype and sharding).
+
 An entry is a file named by a hash of that key, holding the key's full text beside the executable:
 a file whose text differs (a hash collision, a hand-copied file) is not loaded, and a file that
 cannot be read or loaded is compiled again and overwritten, with a warning. Loading runs the
@@ -27,6 +32,12 @@ tensor-parallel runners are not cached here (they still have JAX's persistent ca
 Where: ``executables/`` inside JAX's cache directory (``~/.cache/paged_jax/jax_cache``, moved by
 ``PAGED_JAX_COMPILE_CACHE``); ``PAGED_JAX_NO_COMPILE_CACHE=1`` turns both off,
 ``PAGED_JAX_NO_EXECUTABLE_CACHE=1`` only this one.
+
+Size: every source edit makes new keys, so old entries are pruned. After an entry is stored, if the
+folder's entries add up to more than ``PAGED_JAX_EXECUTABLE_CACHE_MAX_MB`` megabytes (default 2048),
+the least recently used ones (oldest modification time; loading an entry touches it) are deleted
+until they fit. Another process may prune or replace the same files at the same time: a file that is
+gone is skipped, and one deleted under a reader is compiled again.
 """
 
 from __future__ import annotations
@@ -48,6 +59,7 @@ from jax.experimental import serialize_executable
 logger = logging.getLogger("paged_jax")
 
 FORMAT = 1  # bump when the entry layout changes
+DEFAULT_MAX_MB = 2048  # the folder's size bound, unless PAGED_JAX_EXECUTABLE_CACHE_MAX_MB says otherwise
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: paged_jax/ and pallas_kernels/
 # An executable that JAX's persistent cache loaded serializes without some of its functions (XLA:CPU,
 # jaxlib 0.10.2: "Function ... not found" when the stored copy runs), so an entry is written only
@@ -74,6 +86,42 @@ def cache_dir() -> Optional[Path]:
     root = os.environ.get("PAGED_JAX_COMPILE_CACHE",
                           os.path.join(os.path.expanduser("~"), ".cache", "paged_jax", "jax_cache"))
     return Path(root) / "executables"
+
+
+def max_bytes() -> int:
+    """The folder's size bound: ``PAGED_JAX_EXECUTABLE_CACHE_MAX_MB`` megabytes, default 2048."""
+    value = os.environ.get("PAGED_JAX_EXECUTABLE_CACHE_MAX_MB", "")
+    try:
+        mb = float(value) if value.strip() else DEFAULT_MAX_MB
+    except ValueError:
+        logger.warning("PAGED_JAX_EXECUTABLE_CACHE_MAX_MB=%r is not a number; using %d", value, DEFAULT_MAX_MB)
+        mb = DEFAULT_MAX_MB
+    return max(0, int(mb * (1 << 20)))
+
+
+def prune(directory: Path, limit: int) -> int:
+    """Delete the least recently used entries (oldest modification time first) of ``directory``
+    until the rest add up to at most ``limit`` bytes; returns how many went. Files that another
+    process deletes meanwhile are skipped."""
+    entries = []
+    for path in Path(directory).glob("*.jaxexe"):
+        try:
+            st = path.stat()
+        except FileNotFoundError:
+            continue
+        entries.append((st.st_mtime, st.st_size, path))
+    total = sum(size for _, size, _ in entries)
+    removed = 0
+    for _, size, path in sorted(entries):
+        if total <= limit:
+            break
+        try:
+            path.unlink()
+            removed += 1
+        except FileNotFoundError:
+            pass
+        total -= size
+    return removed
 
 
 @functools.lru_cache(maxsize=None)
@@ -128,20 +176,33 @@ def runner_key(config, backend_name: str, params, kv_caches) -> str:
 
 
 class ExecutableCache:
-    """Compiled steps of one runner on disk, by ``(shape_key, all_logits)``."""
+    """Compiled programs of one runner on disk: its steps, by ``(shape_key, all_logits)``, and the
+    variants of the jitted functions it calls after them (the sampler), by abstract arguments."""
 
-    def __init__(self, directory: Path, key: str):
-        self.directory, self.key = Path(directory), key
+    def __init__(self, directory: Path, key: str, max_bytes: int = DEFAULT_MAX_MB << 20):
+        self.directory, self.key, self.max_bytes = Path(directory), key, max_bytes
         self.loaded = self.stored = 0  # counts, for tests and benchmarks
         self.load_seconds = 0.0  # reading and loading entries, hits and misses
 
     def _entry(self, shape_key, all_logits: bool) -> tuple[Path, str]:
-        text = f"{self.key}\nshape={tuple(shape_key)}\nall_logits={bool(all_logits)}"
-        return self.directory / f"step-{hashlib.sha256(text.encode()).hexdigest()[:32]}.jaxexe", text
+        return self._file("step", f"shape={tuple(shape_key)}\nall_logits={bool(all_logits)}")
+
+    def _file(self, prefix: str, what: str) -> tuple[Path, str]:
+        text = f"{self.key}\n{what}"
+        return self.directory / f"{prefix}-{hashlib.sha256(text.encode()).hexdigest()[:32]}.jaxexe", text
 
     def get(self, shape_key, all_logits: bool, lower: Callable[[], "jax.stages.Lowered"]) -> "jax.stages.Compiled":
         """The compiled step for this shape: loaded from disk, or ``lower().compile()`` and stored."""
-        path, text = self._entry(shape_key, all_logits)
+        return self._get(*self._entry(shape_key, all_logits), lower)
+
+    def get_function(self, name: str, args: tuple,
+                     lower: Callable[[], "jax.stages.Lowered"]) -> "jax.stages.Compiled":
+        """A jitted function of paged-jax's own (its code is in :func:`source_digest`), ``name``,
+        compiled for the abstract values of ``args`` (tree structure with its static fields, shapes,
+        dtypes, shardings): loaded from disk, or ``lower().compile()`` and stored."""
+        return self._get(*self._file(name, f"function={name}\nargs={_abstract(args)}"), lower)
+
+    def _get(self, path: Path, text: str, lower: Callable[[], "jax.stages.Lowered"]) -> "jax.stages.Compiled":
         t0 = time.perf_counter()
         compiled = self._load(path, text)
         self.load_seconds += time.perf_counter() - t0
@@ -174,6 +235,10 @@ class ExecutableCache:
         except Exception as e:
             logger.warning("compiled step %s did not load, compiling it again: %s", path, e)
             return None
+        try:
+            os.utime(path)  # recently used: pruned last
+        except OSError:
+            pass
         self.loaded += 1
         return compiled
 
@@ -192,6 +257,14 @@ class ExecutableCache:
             self.stored += 1
         except Exception as e:  # a read-only disk, an executable this JAX cannot serialize: run without
             logger.warning("could not store compiled step %s: %s", path, e)
+            return
+        try:
+            removed = prune(self.directory, self.max_bytes)
+        except OSError as e:
+            logger.warning("could not prune the compiled steps in %s: %s", self.directory, e)
+            return
+        if removed:
+            logger.info("pruned %d least recently used compiled steps from %s", removed, self.directory)
 
 
 def _fresh_compile(lowered) -> tuple["jax.stages.Compiled", bool]:
@@ -213,7 +286,7 @@ def for_runner(config, backend, params, kv_caches, mesh=None) -> Optional[Execut
     directory = cache_dir()
     if directory is None or mesh is not None or not _builtin(backend):
         return None
-    return ExecutableCache(directory, runner_key(config, backend.name, params, kv_caches))
+    return ExecutableCache(directory, runner_key(config, backend.name, params, kv_caches), max_bytes())
 
 
 def _builtin(backend) -> bool:

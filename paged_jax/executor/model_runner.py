@@ -128,6 +128,7 @@ class ModelRunner:
         self.host_pool = cache_ops.allocate_host_pool(num_blocks=num_cpu_blocks, **shape)
         self._compiled: set = set()
         self._executables: dict = {}  # (shape_key, all_logits) -> compiled step, filled by warm_up
+        self._functions: dict = {}  # (name, abstract arguments) -> compiled sampler, see _call
         self._step = jax.jit(make_step(config, self.attn), static_argnums=(3,), donate_argnums=(1,),
                              out_shardings=out_shardings)
         # Compiled steps on disk (None when off): a fresh process skips tracing and lowering.
@@ -137,9 +138,9 @@ class ModelRunner:
 
     @property
     def num_compilations(self) -> int:
-        """Distinct step shapes compiled (``(Batch.shape_key, all_logits)``), plus sampler variants and
-        cache-op shapes (process-wide)."""
-        return (len(self._compiled) + sample._cache_size() + _take_rows._cache_size()
+        """Distinct step shapes compiled (``(Batch.shape_key, all_logits)``), plus sampler variants
+        (this runner's from the executable cache, else process-wide) and cache-op shapes (process-wide)."""
+        return (len(self._compiled) + len(self._functions) + sample._cache_size() + _take_rows._cache_size()
                 + sum(cache_ops.num_compiled_shapes().values()))
 
     def run_batch(self, batch: Batch, all_logits: bool = False) -> jax.Array:
@@ -190,7 +191,7 @@ class ModelRunner:
                 tensors = SamplingTensors.from_params([(p, seed, [0], [])] * n, self.config.vocab_size, pad_to=n,
                                                       eos_token_id=eos_token_id, engine_seed=self.seed, step=0,
                                                       num_top=pow2_bucket(p.logprobs) if p.logprobs else 0)
-                jax.block_until_ready(sample(logits, tensors))
+                jax.block_until_ready(self._call("sample", sample, logits, tensors))
             n *= 2
         # A step with prefill tokens has as many logits rows as tokens (one per possible sequence):
         # its sampled rows are taken out of them (``_take_rows``), for every bucket of rows sampled.
@@ -198,9 +199,23 @@ class ModelRunner:
             logits = jnp.zeros((rows, self.config.vocab_size), jnp.float32)
             n = 1
             while n <= min(rows, bucket(max_num_seqs)):
-                jax.block_until_ready(_take_rows(logits, np.zeros(n, np.int32)))
+                jax.block_until_ready(self._call("take_rows", _take_rows, logits, np.zeros(n, np.int32)))
                 n *= 2
         return len(shapes)
+
+    def _call(self, name: str, fn, *args):
+        """``fn(*args)``, for ``fn`` the sampler or ``_take_rows`` (module-level jits of paged-jax).
+        With the executable cache on, each variant (abstract arguments) is loaded from it, or compiled
+        and stored, once per runner: a fresh process does not trace them."""
+        if self.executable_cache is None:
+            return fn(*args)
+        leaves, treedef = jax.tree.flatten(args)
+        key = (name, treedef, *((x.shape, x.dtype) for x in leaves))
+        compiled = self._functions.get(key)
+        if compiled is None:
+            compiled = self._functions[key] = self.executable_cache.get_function(name, args,
+                                                                                 lambda: fn.lower(*args))
+        return compiled(*args)
 
     def _compile(self, batch: Batch, all_logits: bool) -> "jax.stages.Compiled":
         """The step compiled for ``batch``'s shape (arrays or ``Batch.abstract``): from the executable
@@ -298,7 +313,8 @@ class ModelRunner:
         self._sample_step += 1
         # Every row samples (the usual case): the logits are already in order; padded rows are ignored.
         same = n == logits.shape[0] and np.array_equal(idx[: len(rows)], np.arange(len(rows)))
-        return picks, sample(logits if same else _take_rows(logits, idx), tensors)
+        rows_logits = logits if same else self._call("take_rows", _take_rows, logits, idx)
+        return picks, self._call("sample", sample, rows_logits, tensors)
 
     def _collect_samples(self, sampling: Sequence[RowSampling], pending, result: StepResult) -> None:
         """Wait for the sampler's outputs queued by :meth:`_dispatch_samples` and add them to ``result``."""
