@@ -248,7 +248,7 @@ def _quantized(rng, K, N, bits, groups, per_tensor=False, zero=False, act_order=
 @pytest.mark.parametrize("M", [1, 8, 33])  # register tiles up to 8 rows; slabs: 8-row tiles and a tail
 @pytest.mark.parametrize("K,N,groups,per_tensor", [(64, 96, 1, False), (128, 80, 4, False), (256, 48, 2, False),
                                                    (32, 16, 1, True), (384, 32, 3, False)])
-@pytest.mark.parametrize("zero,act_order", [(False, False), (True, False), (True, True)])
+@pytest.mark.parametrize("zero,act_order", [(False, False), (True, True)])
 def test_quantized_linear_matches_numpy(bits, M, K, N, groups, per_tensor, zero, act_order):
     """Register tiles (up to 8 rows) and float32 slabs (more rows; K 384 is three slabs), with and
     without zero points and activation order, against numpy and against XLA's dequantizing matmul."""
@@ -352,7 +352,7 @@ def _w8a8(rng, K, N, per_tensor=False):
 
 
 @needs_native
-@pytest.mark.parametrize("M", [1, 3, 8, 9, 33, 1030])
+@pytest.mark.parametrize("M", [3, 9, 1030])  # a tail tile; 8-row tiles and a tail; two row passes
 @pytest.mark.parametrize("K,N,per_tensor", [(4, 16, False), (64, 96, False), (132, 80, False), (512, 48, True)])
 def test_int8_by_int8_linear_matches_numpy_and_xla_to_the_bit(M, K, N, per_tensor):
     """W8A8: int8 activations (extremes included: -128 and 127) times int8 weights, exact integer
