@@ -31,6 +31,12 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
     8-bit cache, see :mod:`paged_jax.attention.kv_quant`)."""
     if kv_quant.kind(k_cache) != "auto":
         k, v = kv_quant.quantize(k, k_cache.dtype), kv_quant.quantize(v, v_cache.dtype)
+    if slot_mapping.shape[0] == 1:
+        # One token (a decode step of one sequence): written twice to its slot, the same values. XLA:CPU
+        # turns a one-row scatter into an update that, read afterwards by attention, it cannot do in
+        # place, and copied both whole caches in every layer (a second of a batch-1 step on the
+        # GPT-2-124M shape without the native kernels).
+        k, v, slot_mapping = (jnp.concatenate([x, x]) for x in (k, v, slot_mapping))
     nb, bs, kvh, d = k_cache.shape
     k_cache = k_cache.reshape(nb * bs, kvh, d).at[slot_mapping].set(k.astype(k_cache.dtype)).reshape(nb, bs, kvh, d)
     v_cache = v_cache.reshape(nb * bs, kvh, d).at[slot_mapping].set(v.astype(v_cache.dtype)).reshape(nb, bs, kvh, d)
