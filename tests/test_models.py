@@ -142,7 +142,7 @@ def test_newer_families_greedy_with_chunked_prefill_and_prefix_caching(hf_model_
         assert got == want[0, len(p):].tolist()
 
 
-@pytest.mark.parametrize("block_size,num_tokens", [(8, 300), (16, 1000)])
+@pytest.mark.parametrize("block_size,num_tokens", [(8, 300), pytest.param(16, 1000, marks=pytest.mark.slow)])
 def test_mistral_frees_the_blocks_its_window_has_passed(hf_model_dir, block_size, num_tokens):
     """Every layer attends through a 6-token window, so the block manager frees the blocks behind
     it: the sequence holds at most ceil(window / block_size) + 1 blocks at every decoding step, and its greedy

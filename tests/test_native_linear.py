@@ -183,6 +183,18 @@ for M, K, N in [(1, 16, 16), (9, 40, 96), (33, 70, 32)]:
     got = np.asarray(native.linear_int8(jnp.asarray(xq), jnp.asarray(xs), *native.pack_int8(p)))[:, :N]
     want = (xq.astype(np.int64) @ wq.astype(np.int64)).astype(np.float32) * xs * ws
     errs.append(float(np.abs(got - want).max()))
+# quantized weights (int8, int4 with zero points, fp8) against XLA's dequantizing matmul, 1 and 12 rows
+for values, bits in [(rng.integers(-128, 128, size=(64, 48)).astype(np.int8), 8),
+                     (rng.integers(0, 256, size=(32, 48)).astype(np.uint8), 4),
+                     (jnp.asarray(rng.standard_normal((64, 48)) * 8, dtype=jnp.float8_e4m3fn), 8)]:
+    scale = jnp.asarray(rng.uniform(0.01, 0.1, size=(2, 48)).astype(np.float32))
+    zero = jnp.asarray(rng.integers(-8, 8, size=(2, 48)).astype(np.int8)) if bits == 4 else None
+    p = QuantizedLinear(jnp.asarray(values), scale, zero=zero, bits=bits, in_features_=64)
+    panels, scales, zeros, _ = native.pack_quantized(p)
+    for M in (1, 12):
+        x = jnp.asarray(rng.standard_normal((M, 64)).astype(np.float32))
+        got = np.asarray(native.linear_quantized(x, panels, scales, bits, zeros))[:, :48]
+        errs.append(float(np.abs(got - np.asarray(x @ p.dequantize())).max()))
 print(json.dumps({"errs": errs, "library": native.status()["library"], "avx512_matmul": native.status()["avx512_matmul"],
                   "vnni_matmul": native.status()["vnni_matmul"], "packs_weights": native.packs_weights()}))
 """
@@ -191,7 +203,8 @@ print(json.dumps({"errs": errs, "library": native.status()["library"], "avx512_m
 @needs_native
 def test_portable_loops_without_avx512(tmp_path):
     """The matmuls' loops for CPUs without AVX-512 (built here with -mno-avx512f, in its own
-    process and cache) give the same products: float32, and int8 x int8 (no VNNI either)."""
+    process and cache) give the same products: float32, int8 / int4 / fp8 weights, and int8 x int8
+    (no VNNI either)."""
     import json
     import os
     import subprocess
