@@ -1,6 +1,6 @@
 """Native CPU kernels, built on first use and called through the XLA FFI: paged decode
 attention (``paged_decode.cc``) and the model's matmuls against panel-packed weights
-(``linear.cc``).
+(``linear.cc``; W8A8's int8 x int8 in ``linear_int8.cc``).
 
 Decode attention. XLA's CPU backend can only express paged decode attention by gathering every
 sequence's K and V into a temporary and running many tiny batched matmuls: at
@@ -15,11 +15,14 @@ stream from memory (and XLA turns a quantized weight into a float copy before it
 into a ``PanelLinear`` holding ``[N / W, K, W]`` panels (W = 48, 32 or 16 columns, each panel
 contiguous; see ``paged_jax.models.weights``), whose matmul is :func:`linear`, which prefetches
 the panels ahead of use (``tests/test_native_linear.py``; ``experiments/roofline.py`` times
-the step with and without). Quantized weights (int8, or int4 packed two to a byte, with scales
-per column or per group of rows; ``QuantizedLinear``) become ``PanelQuantizedLinear``, whose
-matmul :func:`linear_quantized` reads the quantized panels and turns them into float32 in
-registers. The runner packs on a CPU with one device, float32 activations,
-where the matmul was built with its AVX-512 tiles (:func:`packs_weights`).
+the step with and without). Quantized weights (int8, int4 packed two to a byte, or fp8 e4m3,
+with scales and optional zero points per column or block and per group of rows, in activation
+order or not; ``QuantizedLinear``) become ``PanelQuantizedLinear`` (:func:`pack_quantized`),
+whose matmul :func:`linear_quantized` reads the quantized panels and turns them into float32 on
+the way. W8A8 weights (int8 activations per token, int8 weights per column) become
+``PanelInt8Linear`` (:func:`pack_int8`) where the library was built with AVX-512 VNNI: an
+integer matmul, :func:`linear_int8`. The runner packs on a CPU with one device; float32 weights
+only where the matmul was built with its AVX-512 tiles (:func:`packs_weights`).
 
 The library is compiled with the system's C++ compiler the first time it is
 needed, into ``$PAGED_JAX_HOME/native`` (default ``~/.cache/paged_jax/native``),
