@@ -122,6 +122,13 @@ def quantize_per_token(x, act: str):
     return jnp.clip(scaled, -FP8_MAX, FP8_MAX).astype(jnp.float8_e4m3fn), scale
 
 
+def rounded_activations(x, act: str):
+    """``x`` quantized per token (:func:`quantize_per_token`) and turned back into float32: what
+    a weight with activations quantized at run time multiplies when its matmul is a float one."""
+    xq, xs = quantize_per_token(x, act)
+    return xq.astype(jnp.float32) * xs
+
+
 @_pytree
 class QuantizedLinear:
     """``x @ w (+ b)`` with ``w = (values - zero) * scale`` stored quantized, ``[in, out]`` as
@@ -163,6 +170,13 @@ class QuantizedLinear:
     def in_features(self) -> int:
         return self.in_features_
 
+    @property
+    def integer_matmul(self) -> bool:
+        """int8 activations against int8 weights with one scale per column (or the tensor): an
+        integer matmul scaled afterwards; other activation schemes multiply in float32."""
+        return (self.act == "int8" and self.bits == 8 and self.values.dtype == jnp.int8 and self.scale.shape[0] == 1
+                and self.zero is None and self.g_idx is None)
+
     def unpacked(self):
         """The values ``[in, out]`` in int8 or float8 (4-bit ones unpacked and centred)."""
         if self.bits != 4:
@@ -190,20 +204,18 @@ class QuantizedLinear:
 
     def __call__(self, x):
         dtype = x.dtype
-        if self.act is not None:
+        if self.integer_matmul:
             xq, xs = quantize_per_token(x, self.act)
-            per_channel = self.scale.shape[0] == 1 and self.zero is None and self.g_idx is None
-            if self.act == "int8" and self.bits == 8 and self.values.dtype == jnp.int8 and per_channel:
-                acc = jax.lax.dot_general(xq, self.values, (((xq.ndim - 1,), (0,)), ((), ())),
-                                          preferred_element_type=jnp.int32)
-                n_out = acc.shape[-1]
-                y = acc.astype(jnp.float32) * xs * _expand(self.scale.astype(jnp.float32), n_out, 1,
-                                                           self._block(n_out)[1])[0]
-            else:
-                y = (xq.astype(jnp.float32) * xs) @ self.dequantize(jnp.float32)
-            y = y.astype(dtype)
+            acc = jax.lax.dot_general(xq, self.values, (((xq.ndim - 1,), (0,)), ((), ())),
+                                      preferred_element_type=jnp.int32)
+            n_out = acc.shape[-1]
+            y = acc.astype(jnp.float32) * xs * _expand(self.scale.astype(jnp.float32), n_out, 1,
+                                                       self._block(n_out)[1])[0]
+        elif self.act is not None:
+            y = rounded_activations(x, self.act) @ self.dequantize(jnp.float32)
         else:
             y = x @ self.dequantize(dtype)
+        y = y.astype(dtype)
         return y if self.b is None else y + self.b
 
 
@@ -237,8 +249,7 @@ class PanelQuantizedLinear:
 
         dtype = x.dtype
         if self.act is not None:  # as QuantizedLinear: the rounded activations, multiplied in float32
-            xq, xs = quantize_per_token(x, self.act)
-            x = xq.astype(jnp.float32) * xs
+            x = rounded_activations(x, self.act)
         if self.order is not None:
             x = jnp.take(x, self.order, axis=-1)
         y = native.linear_quantized(x, self.panels, self.scales, self.bits, self.zeros)
@@ -346,6 +357,7 @@ def map_weights(fn, params):
     return params
 
 
-__all__ = ["DenseLinear", "PanelLinear", "QuantizedLinear", "PanelQuantizedLinear", "PanelInt8Linear", "quantize_per_token", "ACTIVATION_QUANT",
+__all__ = ["DenseLinear", "PanelLinear", "QuantizedLinear", "PanelQuantizedLinear", "PanelInt8Linear", "quantize_per_token",
+           "rounded_activations", "ACTIVATION_QUANT",
            "DenseEmbedding", "PanelEmbedding", "LINEAR_TYPES", "EMBEDDING_TYPES",
            "WEIGHT_TYPES", "PARALLEL_ROLES", "is_weight", "linear", "map_weights"]

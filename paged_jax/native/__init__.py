@@ -54,7 +54,7 @@ import numpy as np
 logger = logging.getLogger("paged_jax")
 
 SOURCES = [Path(__file__).with_name(f) for f in ("paged_decode.cc", "linear.cc", "linear_int8.cc")]
-HEADERS = [Path(__file__).with_name("parallel.h")]
+HEADERS = [Path(__file__).with_name(f) for f in ("parallel.h", "fp8.h")]
 TARGETS = {"float32": ("paged_jax_paged_decode_f32", "PagedDecodeF32"),
            "bfloat16": ("paged_jax_paged_decode_bf16", "PagedDecodeBF16")}
 # float32 queries over an 8-bit KV cache with a float16 scale per token and head (paged_jax.attention.kv_quant),
@@ -261,8 +261,7 @@ def quantized_packable(p) -> bool:
     n_in, n_out = p.in_features, p.values.shape[1]
     rows, cols = p._block(n_out)
     groups = p.scale.shape[0]
-    if p.act is not None and (p.act == "int8" and p.values.dtype == jnp.int8 and groups == 1 and p.zero is None
-                              and p.g_idx is None):
+    if p.integer_matmul:  # W8A8 per column: an integer matmul (pack_int8, or XLA's)
         return False
     if p.zero is not None and p.zero.shape != p.scale.shape:
         return False
@@ -336,11 +335,7 @@ def int8_packable(p) -> bool:
     """Whether :func:`pack_int8` takes a ``QuantizedLinear``: W8A8 (int8 activations per token,
     ``act="int8"``) with int8 weights and one scale per column or for the tensor, no zero points
     or activation order, and inputs a multiple of 4."""
-    import jax.numpy as jnp
-
-    return (p.act == "int8" and p.bits == 8 and p.values.dtype == jnp.int8 and p.zero is None
-            and p.g_idx is None and p.scale.shape[0] == 1 and p.in_features % 4 == 0
-            and p.values.shape[0] == p.in_features)
+    return p.integer_matmul and p.in_features % 4 == 0 and p.values.shape[0] == p.in_features
 
 
 def pack_int8(p):
@@ -350,15 +345,12 @@ def pack_int8(p):
     import jax.numpy as jnp
 
     K, n_out = p.values.shape
-    w = np.asarray(p.values)
-    W = panel_width(n_out) or PANEL_WIDTHS[0]
-    n = -(-n_out // W) * W
-    w = np.pad(w, ((0, 0), (0, n - n_out)))
-    panels = w.reshape(K // 4, 4, n // W, W).transpose(2, 0, 3, 1).reshape(n // W, K // 4, W * 4)
-    sums = w.astype(np.int32).sum(axis=0).reshape(n // W, W)
-    scale = np.broadcast_to(np.asarray(p.scale, dtype=np.float32), (1, n_out))
-    scales = np.pad(scale, ((0, 0), (0, n - n_out))).reshape(n // W, W)
-    return jnp.asarray(np.ascontiguousarray(panels)), jnp.asarray(sums), jnp.asarray(scales)
+    panels = pack_padded(p.values)  # [P, K, W], rows 4i .. 4i + 3 of a column then interleaved
+    P, _, W = panels.shape
+    panels = panels.reshape(P, K // 4, 4, W).transpose(0, 1, 3, 2).reshape(P, K // 4, W * 4)
+    sums = pack_padded(jnp.sum(p.values, axis=0, dtype=jnp.int32)[None])[:, 0]
+    scales = pack_padded(jnp.broadcast_to(p.scale.astype(jnp.float32), (1, n_out)))[:, 0]
+    return panels, sums, scales
 
 
 def linear_int8(xq, x_scale, panels, sums, scales) -> "jax.Array":

@@ -17,6 +17,7 @@
 #include <cstdint>
 #include <mutex>
 
+#include "fp8.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -169,22 +170,10 @@ inline const uint8_t* QRow(const uint8_t* panel, int64_t k, int64_t W) {
   return F == QFormat::kInt4 ? panel + (k / 2) * W : panel + k * W;
 }
 
-// e4m3fn bits to float32: sign, 4 exponent bits (bias 7), 3 mantissa bits; NaN is never stored
-// (quantizers clip to +-448). Both cases are computed and one is picked with a bit mask, so the
-// loops over it vectorise; subnormals go through an integer conversion, not a float32 subnormal
-// (which XLA's flush-to-zero would read as 0).
-inline float Fp8ToFloat(uint8_t bits) {
-  const uint32_t sign = static_cast<uint32_t>(bits & 0x80u) << 24, mag = bits & 0x7fu;
-  const uint32_t normal = (mag << 20) + (120u << 23);                                              // rebias 7 -> 127
-  const uint32_t subnormal = __builtin_bit_cast(uint32_t, static_cast<float>(mag) * 0x1p-9f);  // m / 8 * 2^-6
-  const uint32_t is_normal = 0u - static_cast<uint32_t>(mag >= 8);                             // all ones or 0
-  return __builtin_bit_cast(float, (normal & is_normal) | (subnormal & ~is_normal) | sign);
-}
-
 template <QFormat F>
 inline float QValue(const uint8_t* row, int64_t k, int64_t c) {
   if (F == QFormat::kInt8) return static_cast<float>(static_cast<int8_t>(row[c]));
-  if (F == QFormat::kFp8) return Fp8ToFloat(row[c]);
+  if (F == QFormat::kFp8) return paged_jax_native::Fp8E4M3ToFloat(row[c]);
   return static_cast<float>(((row[c] >> ((k & 1) * 4)) & 0xF) - 8);
 }
 
@@ -193,7 +182,7 @@ template <QFormat F, bool Zero>
 inline __m512 QLoad(const uint8_t* row, int64_t k, int v, __m512 scale, __m512 zero) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v));
   __m512 f;
-  if (F == QFormat::kFp8) {  // Fp8ToFloat, 16 at a time
+  if (F == QFormat::kFp8) {  // Fp8E4M3ToFloat (fp8.h), 16 at a time
     const __m512i u = _mm512_cvtepu8_epi32(bytes);
     const __m512i sign = _mm512_slli_epi32(_mm512_and_si512(u, _mm512_set1_epi32(0x80)), 24);
     const __m512i mag = _mm512_and_si512(u, _mm512_set1_epi32(0x7f));

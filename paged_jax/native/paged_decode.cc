@@ -18,6 +18,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "fp8.h"
 #include "parallel.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -48,17 +49,7 @@ struct Problem {
 inline float ToFloat(float x) { return x; }
 inline float ToFloat(int8_t x) { return static_cast<float>(x); }
 
-// e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits; no infinities, and NaN (0x7f, 0xff)
-// never stored (kv_quant clips to +-448). Both cases are computed and one is picked with a bit mask:
-// GCC does not vectorise the loops over a ternary here (7x slower). Subnormals go through an
-// integer conversion, not a float32 subnormal (which XLA's flush-to-zero would read as 0).
-inline float ToFloat(Fp8E4M3 x) {
-  const uint32_t sign = static_cast<uint32_t>(x.bits & 0x80u) << 24, mag = x.bits & 0x7fu;
-  const uint32_t normal = (mag << 20) + (120u << 23);                                              // rebias 7 -> 127
-  const uint32_t subnormal = __builtin_bit_cast(uint32_t, static_cast<float>(mag) * 0x1p-9f);  // m / 8 * 2^-6
-  const uint32_t is_normal = 0u - static_cast<uint32_t>(mag >= 8);                             // all ones or 0
-  return __builtin_bit_cast(float, (normal & is_normal) | (subnormal & ~is_normal) | sign);
-}
+inline float ToFloat(Fp8E4M3 x) { return paged_jax_native::Fp8E4M3ToFloat(x.bits); }
 
 inline float HalfToFloat(uint16_t h) {  // IEEE binary16 -> float32
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
