@@ -22,7 +22,7 @@ def test_auto_picks_native_where_it_honours_the_model():
     assert select_backend("auto", [PLAIN], "bfloat16") is NATIVE
     assert select_backend("auto", [PLAIN], "float16") is REFERENCE  # the kernel has no float16 variant
     assert select_backend("auto", [PLAIN, WINDOWED], "float32") is REFERENCE  # one layer it cannot honour
-    with pytest.raises(ValueError, match="'native' cannot run this model: its decode kernel has no sliding window "
+    with pytest.raises(ValueError, match="'native' cannot run this model: its kernel has no sliding window "
                                          "or logit soft-cap.*sliding_window=6, logit_soft_cap=5.0"):
         select_backend("native", [PLAIN, WINDOWED], "float32")
 

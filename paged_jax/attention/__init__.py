@@ -50,12 +50,16 @@ def paged_attention_layer(q, k, v, kv_cache, *, meta: AttentionMetadata, spec: A
     Returns ([T, H, D], (k_cache, v_cache)). Writes come first, so a sequence sees its own new
     tokens (and, with prefix sharing, blocks another sequence fills in the same step).
 
-    Every sequence's last new token goes through ``backend.decode`` (one query per row: a
-    decode step is only this); the tokens of sequences with several new ones also go, in query
-    tiles, through ``backend.prefill``, and their outputs are taken from there. Whether a step
-    has tiles is static (their number is part of the step's shape).
+    A backend with a ``ragged`` method gets the whole step in one call. Otherwise every
+    sequence's last new token goes through ``backend.decode`` (one query per row: a decode step
+    is only this); the tokens of sequences with several new ones also go, in query tiles,
+    through ``backend.prefill``, and their outputs are taken from there. Whether a step has
+    tiles is static (their number is part of the step's shape).
     """
     k_cache, v_cache = write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
+    ragged = getattr(backend, "ragged", None)
+    if ragged is not None and meta.last_token is not None:
+        return ragged(q, k_cache, v_cache, meta, spec), (k_cache, v_cache)
     T, H, D = q.shape
     rows = meta
     if meta.num_tiles:

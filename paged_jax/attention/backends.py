@@ -11,9 +11,17 @@ A backend has a ``name`` and three methods:
 - ``prefill(q, k_cache, v_cache, meta, spec)``: q ``[S, Q, H, D]``, query ``i`` of sequence
   ``s`` at position ``context_lens[s] - query_lens[s] + i`` -> ``[S, Q, H, D]``.
 
+and, optionally, a fourth that replaces both for a whole engine step:
+
+- ``ragged(q, k_cache, v_cache, meta, spec)``: q ``[T, H, D]`` token-flat, sequence ``s``'s
+  ``query_lens[s]`` new tokens consecutive and ending at ``last_token[s]``, query ``i`` at
+  position ``context_lens[s] - query_lens[s] + i`` -> ``[T, H, D]`` (tokens of no sequence:
+  unspecified). A backend with it attends a step's decodes and prefill chunks in one call, its
+  queries never padded to query tiles.
+
 Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` and already hold this step's
 K/V; ``meta`` is the step's :class:`AttentionMetadata` (block tables, lengths); outputs are in
-q's dtype. Built in: ``"reference"`` (plain jnp), ``"native"`` (the C++ CPU decode kernel),
+q's dtype. Built in: ``"reference"`` (plain jnp), ``"native"`` (the C++ CPU kernel, ragged),
 ``"pallas"`` and ``"pallas-interpret"`` (``pallas_kernels/backend.py``). A variant of your
 own is one file: a :class:`ReferenceBackend` with ``score_mod`` / ``mask_mod`` hooks (or a
 class with the three methods) and a :func:`register_backend` call
@@ -149,8 +157,10 @@ class ReferenceBackend:
 
 
 class NativeBackend:
-    """Decode through the C++ CPU kernel (``paged_jax/native``), prefill through the reference
-    backend's (blockwise jnp, :func:`blockwise_prefill_attention`).
+    """The C++ CPU kernel (``paged_jax/native``, :func:`paged_jax.native.paged_attention`) for a
+    whole ragged step (``ragged``) and for decode rows; ``prefill`` of hand-made query tiles (no
+    step around them) through the reference backend's (blockwise jnp,
+    :func:`blockwise_prefill_attention`).
 
     float32 or bfloat16 caches, or an 8-bit one (``kv_cache_dtype="int8" | "fp8"``), on a CPU where the
     kernel builds; no sliding window or soft-cap (the kernel has neither)."""
@@ -163,7 +173,7 @@ class NativeBackend:
 
         why = None
         if spec.sliding_window is not None or spec.logit_soft_cap is not None:
-            why = (f"its decode kernel has no sliding window or logit soft-cap, and the model asks for "
+            why = (f"its kernel has no sliding window or logit soft-cap, and the model asks for "
                    f"sliding_window={spec.sliding_window}, logit_soft_cap={spec.logit_soft_cap}")
         elif str(dtype) not in self.DTYPES:
             why = f"it takes caches of dtype {', '.join(self.DTYPES)}, got {dtype!r}"
@@ -181,6 +191,13 @@ class NativeBackend:
 
     def prefill(self, q, k_cache, v_cache, meta, spec: AttentionSpec):
         return REFERENCE.prefill(q, k_cache, v_cache, meta, spec)
+
+    def ragged(self, q, k_cache, v_cache, meta, spec: AttentionSpec):
+        from paged_jax import native
+
+        starts = meta.last_token - meta.query_lens + 1
+        return native.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, starts,
+                                      meta.query_lens, spec.scale)
 
 
 REFERENCE = ReferenceBackend()

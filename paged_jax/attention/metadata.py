@@ -6,7 +6,9 @@ side by side in one step. Each sequence contributes ``query_lens[s]`` new tokens
 decode, a whole prompt or a chunk of one for prefill); its keys and values are all in the
 paged cache, addressed by ``block_tables[s]``.
 
-Attention runs two kinds of work over one step (``paged_attention_layer``):
+A backend with a ``ragged`` entry point takes the step as it is (token-flat queries, each
+sequence's ending at ``last_token``). For the others, attention runs two kinds of work over one
+step (``paged_attention_layer``):
 
 - *decode*: each sequence's last new token (``last_token[s]``), one query per row;
 - *query tiles*: the new tokens of every sequence with more than one, cut into tiles of at

@@ -1,14 +1,16 @@
-"""Native CPU kernels, built on first use and called through the XLA FFI: paged decode
-attention (``paged_decode.cc``) and the model's matmuls against panel-packed weights
+"""Native CPU kernels, built on first use and called through the XLA FFI: ragged paged
+attention (``paged_attention.cc``) and the model's matmuls against panel-packed weights
 (``linear.cc``; W8A8's int8 x int8 in ``linear_int8.cc``).
 
-Decode attention. XLA's CPU backend can only express paged decode attention by gathering every
+Attention. XLA's CPU backend can only express paged decode attention by gathering every
 sequence's K and V into a temporary and running many tiny batched matmuls: at
-batch 32 that took about half of a GPT-2-124M decode step. ``paged_decode.cc``
-reads K/V straight from the paged cache through the block table, one sequence
-per task, on XLA's own thread pool (``python experiments/roofline.py`` measures
-the step both ways). It computes the same function as the jnp reference and is
-tested against it (``tests/test_native_decode.py``).
+batch 32 that took about half of a GPT-2-124M decode step. ``paged_attention.cc``
+reads K/V straight from the paged cache through the block table, on XLA's own thread
+pool (``python experiments/roofline.py`` measures the decode step both ways), for a whole
+ragged step at once (:func:`paged_attention`: decode rows and prefill chunks, token-flat,
+each block of a chunk's queries reading its context once), so no query is padded to a tile.
+It computes the same function as the jnp reference and is tested against it
+(``tests/test_native_decode.py``, ``tests/test_native_ragged.py``).
 
 Matmuls. At decode batch sizes XLA's CPU matmuls leave the cores waiting on weights that
 stream from memory (and XLA turns a quantized weight into a float copy before its matmul). :func:`pack_params` turns each float32 ``DenseLinear`` (weight ``[K, N]``)
@@ -53,14 +55,14 @@ import numpy as np
 
 logger = logging.getLogger("paged_jax")
 
-SOURCES = [Path(__file__).with_name(f) for f in ("paged_decode.cc", "linear.cc", "linear_int8.cc")]
+SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.cc", "linear.cc", "linear_int8.cc")]
 HEADERS = [Path(__file__).with_name(f) for f in ("parallel.h", "fp8.h")]
-TARGETS = {"float32": ("paged_jax_paged_decode_f32", "PagedDecodeF32"),
-           "bfloat16": ("paged_jax_paged_decode_bf16", "PagedDecodeBF16")}
+TARGETS = {"float32": ("paged_jax_paged_attention_f32", "PagedAttentionF32"),
+           "bfloat16": ("paged_jax_paged_attention_bf16", "PagedAttentionBF16")}
 # float32 queries over an 8-bit KV cache with a float16 scale per token and head (paged_jax.attention.kv_quant),
 # by the cache array's dtype: int8 values, or fp8 e4m3 bits in uint8
-QUANTIZED_DECODE_TARGETS = {"int8": ("paged_jax_paged_decode_q8", "PagedDecodeQ8"),
-                            "uint8": ("paged_jax_paged_decode_fp8", "PagedDecodeFp8")}
+QUANTIZED_DECODE_TARGETS = {"int8": ("paged_jax_paged_attention_q8", "PagedAttentionQ8"),
+                            "uint8": ("paged_jax_paged_attention_fp8", "PagedAttentionFp8")}
 TARGET = TARGETS["float32"][0]
 LINEAR_TARGET = ("paged_jax_linear_f32", "LinearF32")
 SUM_TARGET = ("paged_jax_sum_f32", "SumF32")
@@ -162,39 +164,57 @@ def _dtype(q, k_cache, v_cache) -> Optional[str]:
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float) -> "jax.Array":
-    """Same contract as :func:`paged_jax.attention.decode.paged_decode_attention` (float32 or
-    bfloat16, one dtype for all three, or 8-bit caches (int8 or fp8) in kv_quant's layout with any query dtype;
-    float32 arithmetic); rows with ``context_lens <= 0`` give zeros."""
+    """Same contract as :func:`paged_jax.attention.decode.paged_decode_attention`: one query per row
+    (:func:`paged_attention` with rows of one query each); rows with ``context_lens <= 0`` give zeros."""
+    import jax.numpy as jnp
+
+    S = q.shape[0] if q.ndim == 3 else -1
+    context_lens = jnp.asarray(context_lens)
+    return paged_attention(q, k_cache, v_cache, block_tables, context_lens, jnp.arange(max(S, 0), dtype=jnp.int32),
+                           (context_lens > 0).astype(jnp.int32), scale)
+
+
+def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_starts, query_lens,
+                    scale: float) -> "jax.Array":
+    """Causal attention of token-flat queries over the paged cache, a whole ragged step at once.
+
+    q ``[T, H, D]``; row ``s`` (of ``block_tables [S, max_blocks]``) owns the ``query_lens[s]``
+    tokens from ``query_starts[s]``, its ``i``-th at position ``context_lens[s] - query_lens[s] + i``,
+    which sees that row's keys up to its position. Returns ``[T, H, D]``; tokens no row owns are
+    zeros. float32 or bfloat16, one dtype for all three, or 8-bit caches (int8 or fp8) in kv_quant's
+    layout with any query dtype; float32 arithmetic."""
     import jax
     import jax.numpy as jnp
 
     if q.ndim != 3 or k_cache.ndim != 4 or v_cache.shape != k_cache.shape or block_tables.ndim != 2 or \
             0 in k_cache.shape[:2]:
-        raise ValueError(f"paged_decode takes q [S, H, D], caches [blocks, block_size, kv_heads, D] and tables "
+        raise ValueError(f"paged_attention takes q [T, H, D], caches [blocks, block_size, kv_heads, D] and tables "
                          f"[S, max_blocks]; got q {q.shape}, k {k_cache.shape}, v {v_cache.shape}, "
                          f"tables {block_tables.shape}")
-    S, H, D = q.shape
-    KVH = k_cache.shape[2]
+    T, H, D = q.shape
+    S, KVH = block_tables.shape[0], k_cache.shape[2]
+    rows = [jnp.asarray(x).astype(jnp.int32) for x in (block_tables, context_lens, query_starts, query_lens)]
+    if any(x.shape != (S,) for x in rows[1:]):
+        got = ", ".join(f"{name} {tuple(x.shape)}" for name, x in zip(("context_lens", "query_starts", "query_lens"), rows[1:]))
+        raise ValueError(f"paged_attention: {S} rows of tables need context_lens, query_starts and query_lens of "
+                         f"shape ({S},); got {got}")
     quantized = QUANTIZED_DECODE_TARGETS.get(str(k_cache.dtype))
     if quantized and v_cache.dtype == k_cache.dtype:  # an 8-bit cache: D values + a float16 scale
-        if k_cache.shape[3] != D + 2 or H % KVH or block_tables.shape[0] != S or context_lens.shape != (S,):
-            raise ValueError(f"paged_decode over an 8-bit cache needs entries of head_dim + 2 = {D + 2}, kv_heads "
-                             f"dividing {H}, {S} rows; got k {k_cache.shape}, tables {block_tables.shape}")
+        if k_cache.shape[3] != D + 2 or H % KVH:
+            raise ValueError(f"paged_attention over an 8-bit cache needs entries of head_dim + 2 = {D + 2} and kv_heads "
+                             f"dividing {H}; got k {k_cache.shape}")
         out = jax.ffi.ffi_call(quantized[0], jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-            q.astype(jnp.float32), k_cache, v_cache, block_tables.astype(jnp.int32), context_lens.astype(jnp.int32),
-            scale=np.float32(scale))
+            q.astype(jnp.float32), k_cache, v_cache, *rows, scale=np.float32(scale))
         return out.astype(q.dtype)
-    if k_cache.shape[3] != D or H % KVH or block_tables.shape[0] != S or context_lens.shape != (S,):
-        raise ValueError(f"paged_decode: {H} query heads of {D} need kv_heads dividing {H} and head_dim {D}, and "
-                         f"{S} rows of tables and lengths; got k {k_cache.shape}, tables {block_tables.shape}, "
-                         f"context_lens {context_lens.shape}")
+    if k_cache.shape[3] != D or H % KVH:
+        raise ValueError(f"paged_attention: {H} query heads of {D} need kv_heads dividing {H} and head_dim {D}; got "
+                         f"k {k_cache.shape}")
     dtype = _dtype(q, k_cache, v_cache)
     if dtype is None:
-        raise ValueError(f"paged_decode takes {' or '.join(TARGETS)} for q and both caches alike; got "
+        raise ValueError(f"paged_attention takes {' or '.join(TARGETS)} for q and both caches alike; got "
                          f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     return jax.ffi.ffi_call(TARGETS[dtype][0], jax.ShapeDtypeStruct(q.shape, q.dtype))(
-        q, k_cache, v_cache, block_tables.astype(jnp.int32), context_lens.astype(jnp.int32),
-        scale=np.float32(scale))
+        q, k_cache, v_cache, *rows, scale=np.float32(scale))
 
 
 def packs_weights() -> bool:
@@ -428,6 +448,6 @@ def pack_params(params, floats: bool = True):
     return map_weights(pack, params)
 
 
-__all__ = ["available", "status", "paged_decode", "packs_weights", "panel_width", "pack_weight", "unpack_weight",
+__all__ = ["available", "status", "paged_attention", "paged_decode", "packs_weights", "panel_width", "pack_weight", "unpack_weight",
            "pack_padded", "linear", "pack_params", "read_sum", "quantized_packable", "pack_quantized",
            "linear_quantized"]

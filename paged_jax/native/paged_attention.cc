@@ -1,0 +1,429 @@
+// Ragged paged attention for the CPU, called from JAX through the XLA FFI: one call for a whole
+// engine step, decode rows and prefill chunks together.
+//
+// The same function as paged_jax.attention.reference.paged_attention_reference, on token-flat
+// queries: row s has query_lens[s] new tokens, consecutive in q from query_starts[s], the i-th at
+// position context_lens[s] - query_lens[s] + i, and each attends over its row's keys up to its own
+// position (causal), read through block_tables[s] straight from the paged cache (nothing is
+// gathered into a temporary), softmax in float32. A decode step is rows of one query each. Slots
+// past a row's context are never read; query tokens no row covers come out zero. Work is split
+// into (row, block of queries) items, shared with XLA's intra-op thread pool; the queries of one
+// item share each K/V block they read, so a long chunk reads its context once per block of
+// queries, not once per query. Caches and queries are float32 or bfloat16 (read as float32; the
+// output rounded to bfloat16 to nearest even, as astype), or float32 queries over an 8-bit cache
+// (paged_jax.attention.kv_quant: each head's entry is D int8 or fp8 e4m3 values and a float16
+// scale, D + 2 bytes; the scales multiply the dot products and the weights).
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <type_traits>
+#include <vector>
+
+#include "fp8.h"
+#include "parallel.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+// The bits of a float8 e4m3fn value (the fp8 cache stores them in uint8).
+struct Fp8E4M3 {
+  uint8_t bits;
+};
+
+// T: float, or uint16_t holding bfloat16 bits. C: the cache's element, T, or int8_t or Fp8E4M3
+// (quantized).
+template <typename T, typename C = T>
+struct Problem {
+  const T* q;             // [NT, H, D] token-flat
+  const C* k;             // [NB, BS, KVH, E], E = D (float caches) or D + 2 (8-bit values, float16 scale)
+  const C* v;             // [NB, BS, KVH, E]
+  const int32_t* bt;      // [S, MB]
+  const int32_t* lens;    // [S] keys of each row, its new tokens included
+  const int32_t* starts;  // [S] each row's first new token in q
+  const int32_t* qlens;   // [S] each row's new tokens (0: a padding row)
+  T* out;                 // [NT, H, D]
+  int64_t NT, S, H, D, NB, BS, KVH, MB;
+  float scale;
+  int64_t E;  // elements per token and head in the cache
+};
+
+inline float ToFloat(float x) { return x; }
+inline float ToFloat(int8_t x) { return static_cast<float>(x); }
+
+inline float ToFloat(Fp8E4M3 x) { return paged_jax_native::Fp8E4M3ToFloat(x.bits); }
+
+inline float HalfToFloat(uint16_t h) {  // IEEE binary16 -> float32
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+  if (exp == 0) {
+    const float f = std::ldexp(static_cast<float>(man), -24);
+    return sign ? -f : f;
+  }
+  if (exp == 31) return __builtin_bit_cast(float, sign | 0x7f800000u | (man << 13));
+  return __builtin_bit_cast(float, sign | ((exp + 112) << 23) | (man << 13));
+}
+
+// The scale of a quantized head entry (its last two bytes), 1 for a float cache.
+template <typename C>
+inline float EntryScale(const C* entry, int64_t D) {
+  if constexpr (std::is_same_v<C, int8_t> || std::is_same_v<C, Fp8E4M3>) {
+    uint16_t bits;
+    std::memcpy(&bits, entry + D, sizeof(bits));
+    return HalfToFloat(bits);
+  } else {
+    return 1.f;
+  }
+}
+inline float ToFloat(uint16_t bf16) { return __builtin_bit_cast(float, static_cast<uint32_t>(bf16) << 16); }
+
+inline void FromFloat(float x, float* out) { *out = x; }
+inline void FromFloat(float x, uint16_t* out) {  // round to nearest even, as XLA's convert
+  uint32_t u = __builtin_bit_cast(uint32_t, x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) {  // NaN stays NaN
+    *out = static_cast<uint16_t>((u >> 16) | 0x40);
+    return;
+  }
+  *out = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// kD > 0: the head dimension known when compiling (fully unrolled); 0: any, read from n.
+template <int kD, typename T>
+inline float Dot(const float* a, const T* b, int64_t n) {
+  const int64_t len = kD > 0 ? kD : n;
+  float s = 0.f;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < len; ++i) s += a[i] * ToFloat(b[i]);
+  return s;
+}
+
+template <int kD, typename T>
+inline void Axpy(float w, const T* x, float* y, int64_t n) {
+  const int64_t len = kD > 0 ? kD : n;
+#pragma omp simd
+  for (int64_t i = 0; i < len; ++i) y[i] += w * ToFloat(x[i]);
+}
+
+inline void Prefetch(const char* p, int64_t bytes) {
+  for (int64_t off = 0; off < bytes; off += 64) __builtin_prefetch(p + off, 0, 3);
+}
+
+// e^x for x <= 0 (a score less its running max), within a few ulp, written so that a loop of it
+// vectorizes (no call, no branch; std::exp is a call per element, and was most of a long prompt's
+// attention): x = n ln2 + r with |r| <= ln2 / 2 (ln2 in two parts), e^r by Cephes' expf
+// polynomial, 2^n put in the exponent bits. Below -87, e^x is under float's normal range: it comes
+// out about 1e-38, not 0, a weight no sum notices.
+inline float ExpNonPositive(float x) {
+  x = x > -87.f ? x : -87.f;  // (a ternary: std::max's reference keeps GCC from vectorizing)
+  // n = round(x / ln2) by adding and taking off 1.5 * 2^23 (std::floor does not vectorize here)
+  const float n = (x * 1.44269504088896341f + 12582912.f) - 12582912.f;
+  const float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+  float p = 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const float er = p * r * r + r + 1.f;
+  return er * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+}
+
+constexpr int64_t kLanes = 16;   // keys per vector of scores (one AVX-512 register of float32)
+constexpr int64_t kRowTile = 4;  // query rows whose scores are computed together, sharing each key load
+
+// scores[r, c .. c + kLanes) = q[r] . keys[c .. c + kLanes) for `rows` rows (at most kRowTile) of
+// q ([rows, D], row stride D) against kt ([D, ldk]: the block's keys, transposed, one per lane).
+template <int kD>
+inline void ScoreTile(const float* q, int64_t rows, int64_t D, const float* kt, int64_t ldk, int64_t c,
+                      float* scores, int64_t lds) {
+  const int64_t len = kD > 0 ? kD : D;
+  float acc[kRowTile][kLanes] = {};
+  for (int64_t d = 0; d < len; ++d) {
+    const float* k = kt + d * ldk + c;
+    for (int64_t r = 0; r < kRowTile; ++r) {
+      const float qd = r < rows ? q[r * D + d] : 0.f;
+#pragma omp simd
+      for (int64_t l = 0; l < kLanes; ++l) acc[r][l] += qd * k[l];
+    }
+  }
+  for (int64_t r = 0; r < rows; ++r) std::copy(acc[r], acc[r] + kLanes, scores + r * lds + c);
+}
+
+// out[0 .. D) += sum over t < nt of w[t] * v[t * ldv .. + D), the output held in registers.
+template <int kD>
+inline void WeightedValues(const float* w, int64_t nt, const float* v, int64_t ldv, int64_t D, float* out) {
+  if constexpr (kD > 0) {
+    float acc[kD];
+    std::copy(out, out + kD, acc);
+    for (int64_t t = 0; t < nt; ++t) {
+      const float wt = w[t];
+      const float* x = v + t * ldv;
+#pragma omp simd
+      for (int64_t d = 0; d < kD; ++d) acc[d] += wt * x[d];
+    }
+    std::copy(acc, acc + kD, out);
+  } else {
+    for (int64_t t = 0; t < nt; ++t) Axpy<0>(w[t], v + t * ldv, out, D);
+  }
+}
+
+// Queries i0 .. i0 + n - 1 of row s, all heads, over the keys the last of them sees, block by
+// block with an online softmax. Query rows are kept head-major (row h * n + i: query i, head h),
+// so the G * n rows that share a KV head are contiguous. A head with few rows (a decode) scores
+// each key by a dot product; a head with many (a prefill chunk) has the block's keys transposed
+// (and scaled) into kt, so that its scores come kLanes keys to a vector, kRowTile rows at a time.
+// The weighted values accumulate in registers, a row at a time. A key past a query's position
+// gets no weight (causal).
+template <int kD, typename T, typename C>
+void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, std::vector<float>& scratch) {
+  const int64_t H = p.H, KVH = p.KVH, G = H / KVH, D = p.D, E = p.E, BS = p.BS, row = KVH * E, nh = n * H;
+  const int64_t nl = (BS + kLanes - 1) / kLanes * kLanes;  // a block's scores per row, padded to whole vectors
+  const bool transpose = G * n >= kRowTile;
+  scratch.resize(nh * nl + 2 * nh + 2 * nh * D + D * nl + BS * D);
+  float* sc = scratch.data();  // [H, n, nl] this block's scores, then weights
+  float* m = sc + nh * nl;     // [H, n] running max
+  float* den = m + nh;         // [H, n] running sum of exp
+  float* q = den + nh;         // [H, n, D] the queries
+  float* out = q + nh * D;     // [H, n, D] accumulated output
+  float* kt = out + nh * D;    // [D, nl] one KV head's keys of the block, transposed and scaled
+  float* vf = kt + D * nl;     // [BS, D] one KV head's values of the block as float32, scaled (not a float cache)
+  std::fill(out, out + nh * D, 0.f);
+  std::fill(m, m + nh, -INFINITY);
+  std::fill(den, den + nh, 0.f);
+  const int64_t first = p.lens[s] - p.qlens[s] + i0;  // position of query i0
+  const T* query = p.q + (p.starts[s] + i0) * H * D;
+  T* result = p.out + (p.starts[s] + i0) * H * D;
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < H; ++h)
+      for (int64_t d = 0; d < D; ++d) q[(h * n + i) * D + d] = ToFloat(query[(i * H + h) * D + d]);
+  const int64_t L = std::min<int64_t>({first + n, p.lens[s], p.MB * BS});  // keys the last query sees
+  const int32_t* table = p.bt + s * p.MB;
+  auto block_at = [&](int64_t j) {  // as jnp's gather: a negative entry counts from the end, then clamped
+    int64_t b = table[j];
+    return std::clamp<int64_t>(b < 0 ? b + p.NB : b, 0, p.NB - 1);
+  };
+  // Query i's keys in a block starting at pos0: t < visible(i, pos0, nk) (causal, within nk).
+  auto visible = [&](int64_t i, int64_t pos0, int64_t nk) { return std::clamp<int64_t>(first + i - pos0 + 1, 0, nk); };
+  const int64_t nblocks = L > 0 ? (L + BS - 1) / BS : 0;
+  for (int64_t j = 0; j < nblocks; ++j) {
+    const int64_t b = block_at(j), nk = std::min(BS, L - j * BS), pos0 = j * BS;
+    const C* kb = p.k + b * BS * row;
+    const C* vb = p.v + b * BS * row;
+    // The next block is fetched while this one is worked on: the hardware prefetchers stop at
+    // page boundaries, and blocks lie anywhere (about 1.3x faster decode).
+    if (j + 1 < nblocks) {
+      const int64_t nb = block_at(j + 1), bytes = std::min(BS, L - (j + 1) * BS) * row * sizeof(C);
+      Prefetch(reinterpret_cast<const char*>(p.k + nb * BS * row), bytes);
+      Prefetch(reinterpret_cast<const char*>(p.v + nb * BS * row), bytes);
+    }
+    if (!transpose) {
+      for (int64_t t = 0; t < nk; ++t) {
+        const C* key = kb + t * row;
+        for (int64_t kh = 0; kh < KVH; ++kh) {
+          const float ks = EntryScale(key + kh * E, D) * p.scale;
+          for (int64_t r = kh * G * n; r < (kh + 1) * G * n; ++r) sc[r * nl + t] = Dot<kD>(q + r * D, key + kh * E, D) * ks;
+        }
+      }
+    } else {
+      for (int64_t kh = 0; kh < KVH; ++kh) {
+        // kt[d, t] = key t's d-th value times its scale: whole vectors of kLanes keys (past nk: zeros).
+        float ks[kLanes];
+        for (int64_t c = 0; c < nl; c += kLanes) {
+          const int64_t nc = std::clamp<int64_t>(nk - c, 0, kLanes);
+          for (int64_t l = 0; l < kLanes; ++l) ks[l] = l < nc ? EntryScale(kb + (c + l) * row + kh * E, D) * p.scale : 0.f;
+          const C* k0 = kb + c * row + kh * E;
+          for (int64_t d = 0; d < D; ++d) {
+            float* dst = kt + d * nl + c;
+#pragma omp simd
+            for (int64_t l = 0; l < kLanes; ++l) dst[l] = l < nc ? ToFloat(k0[l * row + d]) * ks[l] : 0.f;
+          }
+        }
+        for (int64_t r0 = kh * G * n; r0 < (kh + 1) * G * n; r0 += kRowTile)
+          for (int64_t c = 0; c < nl; c += kLanes)
+            ScoreTile<kD>(q + r0 * D, std::min(kRowTile, (kh + 1) * G * n - r0), D, kt, nl, c, sc + r0 * nl, nl);
+      }
+    }
+    // The online softmax of each row over its visible keys, in whole vectors of kLanes (a fixed trip
+    // count, so the loops vectorize without a scalar tail).
+    for (int64_t r = 0; r < nh; ++r) {
+      float* x = sc + r * nl;
+      const int64_t nv = visible(r % n, pos0, nk);
+      float mx = m[r];
+      for (int64_t c = 0; c < nl; c += kLanes)
+#pragma omp simd reduction(max : mx)
+        for (int64_t l = 0; l < kLanes; ++l) {
+          const float v = x[c + l];
+          mx = c + l < nv && v > mx ? v : mx;
+        }
+      if (nv == 0 || mx == -INFINITY) {  // this query sees none of these keys: nothing to add
+        std::fill(x, x + nl, 0.f);
+        continue;
+      }
+      const float correction = std::exp(m[r] - mx);  // 0 on the row's first keys (m = -inf)
+      float sum = 0.f;
+      for (int64_t c = 0; c < nl; c += kLanes) {
+        float e[kLanes];
+#pragma omp simd
+        for (int64_t l = 0; l < kLanes; ++l) {
+          const float z = x[c + l] - mx;  // <= 0 for the keys it sees
+          e[l] = ExpNonPositive(z < 0.f ? z : 0.f);
+        }
+        for (int64_t l = 0; l < kLanes; ++l) {
+          const float w = c + l < nv ? e[l] : 0.f;  // 0: a key it does not see
+          x[c + l] = w;
+          sum += w;
+        }
+      }
+      den[r] = den[r] * correction + sum;
+      m[r] = mx;
+      if (correction != 1.f) {
+        float* o = out + r * D;
+#pragma omp simd
+        for (int64_t d = 0; d < D; ++d) o[d] *= correction;
+      }
+    }
+    for (int64_t kh = 0; kh < KVH; ++kh) {
+      const float* vals;
+      int64_t ldv;
+      if constexpr (std::is_same_v<C, float>) {
+        vals = vb + kh * E;
+        ldv = row;
+      } else {  // 8-bit or bfloat16: this head's values as float32 once, for all its rows
+        for (int64_t t = 0; t < nk; ++t) {
+          const C* val = vb + t * row + kh * E;
+          const float vs = EntryScale(val, D);
+          for (int64_t d = 0; d < D; ++d) vf[t * D + d] = ToFloat(val[d]) * vs;
+        }
+        vals = vf;
+        ldv = D;
+      }
+      for (int64_t r = kh * G * n; r < (kh + 1) * G * n; ++r)
+        WeightedValues<kD>(sc + r * nl, visible(r % n, pos0, nk), vals, ldv, D, out + r * D);
+    }
+  }
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t r = h * n + i;
+      const float inv = den[r] > 0.f ? 1.f / den[r] : 0.f;  // a query that saw no key: zeros
+      for (int64_t d = 0; d < D; ++d) FromFloat(out[r * D + d] * inv, result + (i * H + h) * D + d);
+    }
+}
+
+#ifndef PAGED_JAX_ITEM_FLOATS
+#define PAGED_JAX_ITEM_FLOATS 8192
+#endif
+constexpr int64_t kItemFloats = PAGED_JAX_ITEM_FLOATS;
+
+// Queries per work item: their float32 queries and outputs, n * H * D each, stay in L1 and L2
+// (16 for 8 heads of 64; one for very wide models).
+inline int64_t QueriesPerItem(int64_t H, int64_t D) {
+  return std::clamp<int64_t>(kItemFloats / std::max<int64_t>(1, H * D), 1, 64);
+}
+
+// The row arrays every variant takes: block tables [S, MB], and per row its keys, first new token
+// and new tokens ([S] each).
+struct Rows {
+  ffi::Buffer<ffi::S32> tables, lens, starts, qlens;
+};
+
+template <typename T, typename C>
+ffi::Error Run(ffi::ThreadPool pool, const T* q, ffi::Span<const int64_t> qd, const C* k, const C* v,
+               ffi::Span<const int64_t> kd, ffi::Span<const int64_t> vd, const Rows& rows, float scale, T* out,
+               int64_t extra) {
+  auto bd = rows.tables.dimensions();
+  if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2 || vd.size() != 4 || !std::equal(kd.begin(), kd.end(), vd.begin()))
+    return ffi::Error::InvalidArgument("paged_attention: expected q [T,H,D], caches [NB,BS,KVH,D(+2)], tables [S,MB]");
+  Problem<T, C> p{q, k, v, rows.tables.typed_data(), rows.lens.typed_data(), rows.starts.typed_data(),
+                  rows.qlens.typed_data(), out, qd[0], bd[0], qd[1], qd[2], kd[0], kd[1], kd[2], bd[1], scale, kd[3]};
+  for (const auto* r : {&rows.lens, &rows.starts, &rows.qlens})
+    if (r->dimensions().size() != 1 || r->dimensions()[0] != p.S)
+      return ffi::Error::InvalidArgument("paged_attention: lengths, starts and query lengths need one entry a row");
+  if (kd[3] != p.D + extra || p.KVH <= 0 || p.NB <= 0 || p.BS <= 0 || p.H % p.KVH != 0)
+    return ffi::Error::InvalidArgument("paged_attention: head counts or sizes do not match");
+  // Work items (row, first query, queries); tokens no row covers come out zero.
+  struct Item {
+    int64_t s, i0, n, cost;
+  };
+  std::vector<Item> items;
+  std::vector<uint8_t> covered(p.NT, 0);
+  const int64_t per_item = QueriesPerItem(p.H, p.D);
+  bool decode = true;
+  for (int64_t s = 0; s < p.S; ++s) {
+    const int64_t n = p.qlens[s], start = p.starts[s];
+    if (n <= 0) continue;
+    if (start < 0 || start + n > p.NT)
+      return ffi::Error::InvalidArgument("paged_attention: a row's new tokens lie outside the queries");
+    std::fill(covered.begin() + start, covered.begin() + start + n, 1);
+    decode = decode && n == 1;
+    for (int64_t i0 = 0; i0 < n; i0 += per_item) {
+      const int64_t len = std::min(per_item, n - i0);
+      items.push_back({s, i0, len, len * std::max<int64_t>(1, p.lens[s] - n + i0 + len)});
+    }
+  }
+  for (int64_t t = 0; t < p.NT; ++t)
+    if (!covered[t]) std::fill(p.out + t * p.H * p.D, p.out + (t + 1) * p.H * p.D, T{});
+  // The costliest items first (late queries of a long context), one item a range, so that the
+  // threads finish together; a decode step's rows cost alike and go a few to a range.
+  if (!decode) std::stable_sort(items.begin(), items.end(), [](const Item& a, const Item& b) { return a.cost > b.cost; });
+  const int64_t n_items = static_cast<int64_t>(items.size());
+  paged_jax_native::ParallelRanges(pool, n_items, decode ? 4 : n_items, [&p, &items](int64_t u0, int64_t u1) {
+    thread_local std::vector<float> scratch;
+    for (int64_t u = u0; u < u1; ++u) {
+      const Item& it = items[u];
+      switch (p.D) {  // the common head sizes get unrolled loops
+        case 64: AttendRows<64>(p, it.s, it.i0, it.n, scratch); break;
+        case 128: AttendRows<128>(p, it.s, it.i0, it.n, scratch); break;
+        default: AttendRows<0>(p, it.s, it.i0, it.n, scratch);
+      }
+    }
+  });
+  return ffi::Error::Success();
+}
+
+template <ffi::DataType DT>
+ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k, ffi::Buffer<DT> v,
+                ffi::Buffer<ffi::S32> bt, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> starts,
+                ffi::Buffer<ffi::S32> qlens, float scale, ffi::ResultBuffer<DT> out) {
+  return Run(pool, q.typed_data(), q.dimensions(), k.typed_data(), v.typed_data(), k.dimensions(), v.dimensions(),
+             Rows{bt, lens, starts, qlens}, scale, out->typed_data(), 0);
+}
+
+// float32 queries over an int8 cache with a float16 scale per token and head (kv_quant's layout).
+ffi::Error ImplQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k, ffi::Buffer<ffi::S8> v,
+                  ffi::Buffer<ffi::S32> bt, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> starts,
+                  ffi::Buffer<ffi::S32> qlens, float scale, ffi::ResultBuffer<ffi::F32> out) {
+  return Run(pool, q.typed_data(), q.dimensions(), k.typed_data(), v.typed_data(), k.dimensions(), v.dimensions(),
+             Rows{bt, lens, starts, qlens}, scale, out->typed_data(), 2);
+}
+
+// The same over an fp8 cache: e4m3 bits in uint8 (as kv_quant stores them), a float16 scale each.
+ffi::Error ImplFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> k, ffi::Buffer<ffi::U8> v,
+                   ffi::Buffer<ffi::S32> bt, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> starts,
+                   ffi::Buffer<ffi::S32> qlens, float scale, ffi::ResultBuffer<ffi::F32> out) {
+  return Run(pool, q.typed_data(), q.dimensions(), reinterpret_cast<const Fp8E4M3*>(k.typed_data()),
+             reinterpret_cast<const Fp8E4M3*>(v.typed_data()), k.dimensions(), v.dimensions(),
+             Rows{bt, lens, starts, qlens}, scale, out->typed_data(), 2);
+}
+
+}  // namespace
+
+#define PAGED_ATTENTION_BINDING(QT, CT)      \
+  ffi::Ffi::Bind()                           \
+      .Ctx<ffi::ThreadPool>()                \
+      .Arg<ffi::Buffer<QT>>()                \
+      .Arg<ffi::Buffer<CT>>()                \
+      .Arg<ffi::Buffer<CT>>()                \
+      .Arg<ffi::Buffer<ffi::S32>>()          \
+      .Arg<ffi::Buffer<ffi::S32>>()          \
+      .Arg<ffi::Buffer<ffi::S32>>()          \
+      .Arg<ffi::Buffer<ffi::S32>>()          \
+      .Attr<float>("scale")                  \
+      .Ret<ffi::Buffer<QT>>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionF32, Impl<ffi::F32>, PAGED_ATTENTION_BINDING(ffi::F32, ffi::F32));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionBF16, Impl<ffi::BF16>, PAGED_ATTENTION_BINDING(ffi::BF16, ffi::BF16));
+// float32 queries and output over an 8-bit cache
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionQ8, ImplQ8, PAGED_ATTENTION_BINDING(ffi::F32, ffi::S8));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionFp8, ImplFp8, PAGED_ATTENTION_BINDING(ffi::F32, ffi::U8));

@@ -1,0 +1,118 @@
+"""The native kernel on a whole ragged step (``native.paged_attention``): token-flat queries of decode
+rows and prefill chunks (after a cached prefix or not), padding rows and tokens no row owns, against
+the numpy oracle, in every cache dtype; both of its ways to score a block (a dot product per key for
+a head with few query rows, transposed keys for many) and rows cut into several work items."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from paged_jax import native
+from paged_jax.attention import kv_quant
+from tests.test_kv_quant_kernels import numpy_attention, numpy_dequantize
+
+pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernel not built: {native.status()}")
+
+
+def ragged_case(rng, H, KVH, D, block_size, query_lens, contexts, num_blocks=None):
+    """Rows with ``query_lens`` new tokens ending at ``contexts`` keys, laid out token-flat in a
+    shuffled order with a gap of unowned tokens after each row; caches with the null block and each
+    row's unused slots poisoned (NaN / Inf), as a real cache may hold."""
+    S = len(query_lens)
+    widths = [-(-c // block_size) for c in contexts]
+    num_blocks = num_blocks or sum(widths) + 1
+    k = rng.standard_normal((num_blocks, block_size, KVH, D)).astype(np.float32)
+    v = rng.standard_normal((num_blocks, block_size, KVH, D)).astype(np.float32)
+    tables = np.zeros((S, max(widths)), np.int32)
+    pool = list(rng.permutation(np.arange(1, num_blocks)))
+    for s, (c, w) in enumerate(zip(contexts, widths)):
+        tables[s, :w] = [pool.pop() for _ in range(w)]
+        last, used = tables[s, w - 1], c - (w - 1) * block_size
+        k[last, used:], v[last, used:] = np.nan, np.inf
+    k[0], v[0] = np.nan, np.nan
+    starts, t = np.zeros(S, np.int32), 0
+    for s in rng.permutation(S):
+        starts[s], t = t, t + query_lens[s] + int(rng.integers(0, 3))
+    q = rng.standard_normal((t + 2, H, D)).astype(np.float32)
+    return q, k, v, tables, np.asarray(contexts, np.int32), starts, np.asarray(query_lens, np.int32)
+
+
+def oracle(q, k, v, tables, lens, starts, qlens, scale):
+    """numpy_attention row by row, back to token-flat; tokens no row owns are zeros."""
+    out = np.zeros(q.shape, np.float64)
+    for s in range(len(lens)):
+        n = int(qlens[s])
+        if n:
+            rows = q[None, starts[s]:starts[s] + n]
+            out[starts[s]:starts[s] + n] = numpy_attention(rows, k, v, tables[s:s + 1], lens[s:s + 1],
+                                                           qlens[s:s + 1], scale)[0]
+    return out
+
+
+# (H, KVH, D, block_size): a head of 64 and of 128 (the unrolled sizes) and of 20 (any); block sizes under,
+# at and over one vector of 16 keys; one, two and eight query heads per KV head.
+SHAPES = [(8, 8, 64, 16), (8, 2, 128, 32), (4, 1, 20, 8), (6, 3, 64, 5)]
+
+
+@pytest.mark.parametrize("H,KVH,D,block_size", SHAPES)
+def test_ragged_step_matches_numpy(H, KVH, D, block_size):
+    rng = np.random.default_rng(H * 1000 + D + block_size)
+    # decodes (short and long contexts), whole prompts, chunks after a cached prefix, a padding row,
+    # and a 150-query chunk: several work items of one row
+    query_lens = [1, 1, 1, 37, 150, 2, 9, 0, 1, 64]
+    contexts = [1, 70, 200, 37, 300, 2, 120, 5, 17, 64]
+    q, k, v, tables, lens, starts, qlens = ragged_case(rng, H, KVH, D, block_size, query_lens, contexts)
+    scale = 1 / math.sqrt(D)
+    got = np.asarray(jax.jit(native.paged_attention, static_argnums=7)(q, k, v, tables, lens, starts, qlens, scale))
+    want = oracle(q, k, v, tables, lens, starts, qlens, scale)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+    owned = np.zeros(len(q), bool)
+    for s, n in zip(starts, qlens):
+        owned[s:s + n] = True
+    assert not got[~owned].any() and not owned.all()  # the unowned tokens (there are some) are zeros
+
+
+def test_decode_rows_are_the_decode_kernel():
+    """``paged_decode`` is the ragged kernel with a query a row: the same numbers, bit for bit."""
+    rng = np.random.default_rng(5)
+    q, k, v, tables, lens, _, _ = ragged_case(rng, 8, 2, 64, 16, [1] * 9, [1, 15, 16, 17, 40, 90, 3, 64, 33])
+    q = q[:9]
+    ragged = native.paged_attention(q, k, v, tables, lens, np.arange(9, dtype=np.int32), np.ones(9, np.int32), 0.125)
+    np.testing.assert_array_equal(np.asarray(native.paged_decode(q, k, v, tables, lens, 0.125)), np.asarray(ragged))
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "fp8"])
+def test_ragged_step_in_every_cache_dtype(dtype):
+    """bfloat16 queries and caches (the oracle reads the rounded values), or float32 queries over an
+    8-bit cache in kv_quant's layout (the oracle reads the dequantized values)."""
+    H, KVH, D, bs = 8, 2, 64, 16
+    rng = np.random.default_rng(7)
+    q, k, v, tables, lens, starts, qlens = ragged_case(rng, H, KVH, D, bs, [1, 40, 1, 100], [30, 40, 120, 260])
+    k, v = np.nan_to_num(k, nan=0, posinf=0), np.nan_to_num(v, nan=0, posinf=0)  # finite: quantized below
+    if dtype == "bfloat16":
+        q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+        want = oracle(*(np.asarray(x, np.float32) for x in (q, k, v)), tables, lens, starts, qlens, 0.125)
+        tol = 1e-2  # a bfloat16 output
+    else:
+        k, v = (kv_quant.quantize(jnp.asarray(x), kv_quant.storage_dtype(dtype, "float32")) for x in (k, v))
+        want = oracle(q, numpy_dequantize(np.asarray(k), D), numpy_dequantize(np.asarray(v), D), tables, lens, starts,
+                      qlens, 0.125)
+        tol = 1e-5
+    got = native.paged_attention(q, k, v, tables, lens, starts, qlens, 0.125)
+    assert got.dtype == q.dtype
+    np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol)
+
+
+def test_rows_outside_the_queries_are_refused():
+    q = jnp.zeros((4, 2, 16))
+    cache = jnp.zeros((3, 4, 2, 16))
+    tables, lens = jnp.ones((1, 2), jnp.int32), jnp.array([6], jnp.int32)
+    with pytest.raises(Exception, match="outside the queries"):
+        native.paged_attention(q, cache, cache, tables, lens, jnp.array([2]), jnp.array([3]), 1.0).block_until_ready()
+    with pytest.raises(ValueError, match=r"query_starts \(2,\)"):
+        native.paged_attention(q, cache, cache, tables, lens, jnp.array([0, 1]), jnp.array([3]), 1.0)
