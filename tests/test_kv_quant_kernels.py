@@ -178,7 +178,7 @@ def test_engine_step_lowers_for_cuda_with_pallas_over_an_8bit_cache(tiny_llama_d
                 kv_quant.storage_dtype(kind, "bfloat16"))
     for shape in SHAPES:
         text = lower_step(config, params, [(cache, cache)] * config.num_layers, shape)
-        assert "__gpu$xla.gpu.triton" in text and "paged_jax_paged_decode" not in text, shape
+        assert "__gpu$xla.gpu.triton" in text and "paged_jax_paged_attention" not in text, shape
 
 
 def test_pallas_kernels_refuse_an_8bit_cache_without_room_for_the_scale():

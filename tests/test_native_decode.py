@@ -135,7 +135,7 @@ def test_native_backend_runs_the_kernel_and_reference_does_not():
     fn = jax.jit(lambda *a: _decode(NATIVE, *a, 0.2))
     assert native.TARGETS["float32"][0] in fn.lower(*args).as_text()
     jnp_path = jax.jit(lambda *a: _decode(REFERENCE, *a, 0.2))
-    assert "paged_jax_paged_decode" not in jnp_path.lower(*args).as_text()  # plain jnp, no C++
+    assert "paged_jax_paged_attention" not in jnp_path.lower(*args).as_text()  # plain jnp, no C++
     ref = paged_attention_reference(args[0][:, None], *args[1:], jnp.ones(16, jnp.int32), 0.2)[:, 0]
     np.testing.assert_allclose(np.asarray(fn(*args)), np.asarray(ref), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(jnp_path(*args)), np.asarray(ref), rtol=1e-5, atol=1e-5)

@@ -68,4 +68,4 @@ def test_step_lowers_for_cuda_with_the_pallas_backend(family, dtype, tiny_dirs):
         # Gemma 2's windowed and full ones, get one each.)
         for kernel in kernels:
             assert len(re.findall(rf"call @{kernel}(_\d+)?\(", text)) == config.num_layers, (family, kind, kernel)
-        assert "__gpu$xla.gpu.triton" in text and "paged_jax_paged_decode" not in text, (family, kind)
+        assert "__gpu$xla.gpu.triton" in text and "paged_jax_paged_attention" not in text, (family, kind)
