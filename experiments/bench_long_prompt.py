@@ -70,6 +70,7 @@ def child(model: str, path: str, n: int, max_planned_gb: float) -> dict:
 
         class DensePrefill(base):
             name = "bench-dense-prefill"
+            ragged = None  # the layer's decode + query tiles path, so that this prefill runs
 
             def prefill(self, q, k_cache, v_cache, meta, spec):
                 return REFERENCE.dense_prefill(q, k_cache, v_cache, meta, spec)

@@ -108,11 +108,14 @@ def test_ragged_step_in_every_cache_dtype(dtype):
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol)
 
 
-def test_rows_outside_the_queries_are_refused():
+def test_rows_outside_the_queries_or_overlapping_are_refused():
     q = jnp.zeros((4, 2, 16))
     cache = jnp.zeros((3, 4, 2, 16))
     tables, lens = jnp.ones((1, 2), jnp.int32), jnp.array([6], jnp.int32)
     with pytest.raises(Exception, match="outside the queries"):
         native.paged_attention(q, cache, cache, tables, lens, jnp.array([2]), jnp.array([3]), 1.0).block_until_ready()
+    with pytest.raises(Exception, match="two rows own the same query token"):
+        native.paged_attention(q, cache, cache, jnp.ones((2, 2), jnp.int32), jnp.array([6, 6]), jnp.array([0, 1]),
+                               jnp.array([2, 2]), 1.0).block_until_ready()
     with pytest.raises(ValueError, match=r"query_starts \(2,\)"):
         native.paged_attention(q, cache, cache, tables, lens, jnp.array([0, 1]), jnp.array([3]), 1.0)

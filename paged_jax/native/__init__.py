@@ -61,7 +61,7 @@ TARGETS = {"float32": ("paged_jax_paged_attention_f32", "PagedAttentionF32"),
            "bfloat16": ("paged_jax_paged_attention_bf16", "PagedAttentionBF16")}
 # float32 queries over an 8-bit KV cache with a float16 scale per token and head (paged_jax.attention.kv_quant),
 # by the cache array's dtype: int8 values, or fp8 e4m3 bits in uint8
-QUANTIZED_DECODE_TARGETS = {"int8": ("paged_jax_paged_attention_q8", "PagedAttentionQ8"),
+QUANTIZED_ATTENTION_TARGETS = {"int8": ("paged_jax_paged_attention_q8", "PagedAttentionQ8"),
                             "uint8": ("paged_jax_paged_attention_fp8", "PagedAttentionFp8")}
 TARGET = TARGETS["float32"][0]
 LINEAR_TARGET = ("paged_jax_linear_f32", "LinearF32")
@@ -140,7 +140,7 @@ def available() -> bool:
                 if not path.is_file():
                     _build(path)
                 lib = ctypes.cdll.LoadLibrary(str(path))
-                for target, symbol in (*TARGETS.values(), *QUANTIZED_DECODE_TARGETS.values(), LINEAR_TARGET, SUM_TARGET,
+                for target, symbol in (*TARGETS.values(), *QUANTIZED_ATTENTION_TARGETS.values(), LINEAR_TARGET, SUM_TARGET,
                                        *QUANTIZED_TARGETS.values(), INT8_TARGET):
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                 _state.update(ok=True, library=str(path), avx512_matmul=bool(lib.PagedJaxLinearAvx512()),
@@ -187,7 +187,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     import jax.numpy as jnp
 
     if q.ndim != 3 or k_cache.ndim != 4 or v_cache.shape != k_cache.shape or block_tables.ndim != 2 or \
-            0 in k_cache.shape[:2]:
+            0 in k_cache.shape[:3]:
         raise ValueError(f"paged_attention takes q [T, H, D], caches [blocks, block_size, kv_heads, D] and tables "
                          f"[S, max_blocks]; got q {q.shape}, k {k_cache.shape}, v {v_cache.shape}, "
                          f"tables {block_tables.shape}")
@@ -198,7 +198,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
         got = ", ".join(f"{name} {tuple(x.shape)}" for name, x in zip(("context_lens", "query_starts", "query_lens"), rows[1:]))
         raise ValueError(f"paged_attention: {S} rows of tables need context_lens, query_starts and query_lens of "
                          f"shape ({S},); got {got}")
-    quantized = QUANTIZED_DECODE_TARGETS.get(str(k_cache.dtype))
+    quantized = QUANTIZED_ATTENTION_TARGETS.get(str(k_cache.dtype))
     if quantized and v_cache.dtype == k_cache.dtype:  # an 8-bit cache: D values + a float16 scale
         if k_cache.shape[3] != D + 2 or H % KVH:
             raise ValueError(f"paged_attention over an 8-bit cache needs entries of head_dim + 2 = {D + 2} and kv_heads "

@@ -55,6 +55,7 @@ inline float ToFloat(float x) { return x; }
 inline float ToFloat(int8_t x) { return static_cast<float>(x); }
 
 inline float ToFloat(Fp8E4M3 x) { return paged_jax_native::Fp8E4M3ToFloat(x.bits); }
+inline float ToFloat(uint16_t bf16) { return __builtin_bit_cast(float, static_cast<uint32_t>(bf16) << 16); }
 
 inline float HalfToFloat(uint16_t h) {  // IEEE binary16 -> float32
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
@@ -77,7 +78,6 @@ inline float EntryScale(const C* entry, int64_t D) {
     return 1.f;
   }
 }
-inline float ToFloat(uint16_t bf16) { return __builtin_bit_cast(float, static_cast<uint32_t>(bf16) << 16); }
 
 inline void FromFloat(float x, float* out) { *out = x; }
 inline void FromFloat(float x, uint16_t* out) {  // round to nearest even, as XLA's convert
@@ -192,7 +192,7 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, std::v
   std::fill(out, out + nh * D, 0.f);
   std::fill(m, m + nh, -INFINITY);
   std::fill(den, den + nh, 0.f);
-  const int64_t first = p.lens[s] - p.qlens[s] + i0;  // position of query i0
+  const int64_t first = int64_t{p.lens[s]} - p.qlens[s] + i0;  // position of query i0
   const T* query = p.q + (p.starts[s] + i0) * H * D;
   T* result = p.out + (p.starts[s] + i0) * H * D;
   for (int64_t i = 0; i < n; ++i)
@@ -355,6 +355,8 @@ ffi::Error Run(ffi::ThreadPool pool, const T* q, ffi::Span<const int64_t> qd, co
     if (n <= 0) continue;
     if (start < 0 || start + n > p.NT)
       return ffi::Error::InvalidArgument("paged_attention: a row's new tokens lie outside the queries");
+    if (std::any_of(covered.begin() + start, covered.begin() + start + n, [](uint8_t c) { return c; }))
+      return ffi::Error::InvalidArgument("paged_attention: two rows own the same query token");
     std::fill(covered.begin() + start, covered.begin() + start + n, 1);
     decode = decode && n == 1;
     for (int64_t i0 = 0; i0 < n; i0 += per_item) {
