@@ -13,7 +13,9 @@ XLA planned for it (``memory_analysis().temp_size_in_bytes``), and, when that fi
 the second run is the timed one, no compilation). Peak memory is the child's ``ru_maxrss``;
 "over base" is that minus the peak before the first prompt (model, pool, JAX runtime).
 The "before" path is the native decode kernel with ``ReferenceBackend.dense_prefill``, which
-is exactly what ``"auto"`` ran for prompts before prefill went blockwise.
+is exactly what ``"auto"`` ran for prompts before prefill went blockwise; ``--paths blockwise``
+adds the blockwise jnp prefill in query tiles (``ReferenceBackend.prefill``), what ``"auto"`` ran
+before the native kernel took whole ragged steps; "after" is ``"auto"`` now.
 
 Stutter mode (``--stutter``): streams decoding while a long prompt arrives, one process, side by side:
 
@@ -46,7 +48,8 @@ import time
 import bench_common  # noqa: F401  (puts this checkout on the path)
 
 BLOCK_SIZE = 16
-PATHS = {"before": "dense reference prefill", "after": "blockwise prefill (auto)"}
+PATHS = {"before": "dense reference prefill", "blockwise": "blockwise jnp prefill in query tiles",
+         "after": "native ragged kernel (auto)"}
 
 
 def peak_rss_mb() -> float:
@@ -64,19 +67,21 @@ def child(model: str, path: str, n: int, max_planned_gb: float) -> dict:
     from paged_jax.executor.batch import Batch, SeqChunk, prepare_batch
 
     backend = "auto"
-    if path == "before":
-        # What "auto" ran before: native decode (or the reference's, without the kernel) and the dense prefill.
+    if path in ("before", "blockwise"):
+        # What "auto" ran before: native decode (or the reference's, without the kernel) and the dense
+        # prefill; then the blockwise jnp prefill in query tiles, before the native kernel took whole steps.
         base = NativeBackend if native.available() else ReferenceBackend
 
-        class DensePrefill(base):
-            name = "bench-dense-prefill"
+        class TiledPrefill(base):
+            name = f"bench-{path}-prefill"
             ragged = None  # the layer's decode + query tiles path, so that this prefill runs
 
             def prefill(self, q, k_cache, v_cache, meta, spec):
-                return REFERENCE.dense_prefill(q, k_cache, v_cache, meta, spec)
+                run = REFERENCE.dense_prefill if path == "before" else REFERENCE.prefill
+                return run(q, k_cache, v_cache, meta, spec)
 
-        register_backend(DensePrefill())
-        backend = "bench-dense-prefill"
+        register_backend(TiledPrefill())
+        backend = TiledPrefill.name
     blocks = -(-(n + 1) // BLOCK_SIZE)
     engine = LLMEngine(EngineArgs(model=model, block_size=BLOCK_SIZE, max_model_len=n + 1,
                                   max_num_batched_tokens=n + 1, max_num_seqs=1, num_kv_blocks=blocks + blocks // 32 + 4,  # the watermark holds back 1 %
