@@ -119,3 +119,38 @@ def test_rows_outside_the_queries_or_overlapping_are_refused():
                                jnp.array([2, 2]), 1.0).block_until_ready()
     with pytest.raises(ValueError, match=r"query_starts \(2,\)"):
         native.paged_attention(q, cache, cache, tables, lens, jnp.array([0, 1]), jnp.array([3]), 1.0)
+
+
+PORTABLE_CHECK = """
+import json, sys
+sys.path.insert(0, {root!r})
+import numpy as np
+from paged_jax import native
+from tests.test_native_ragged import SHAPES, oracle, ragged_case
+assert native.available(), native.status()
+errs = []
+for H, KVH, D, bs in SHAPES:
+    rng = np.random.default_rng(D)
+    case = ragged_case(rng, H, KVH, D, bs, [1, 1, 40, 70, 0], [1, 90, 40, 200, 3])
+    got = np.asarray(native.paged_attention(*case, 0.25))
+    errs.append(float(np.abs(got - oracle(*case, 0.25)).max()))
+print(json.dumps({{"errs": errs, "library": native.status()["library"]}}))
+"""
+
+
+def test_portable_loops_without_avx512(tmp_path):
+    """The kernel's loops for CPUs without AVX-512 (built here with -mno-avx512f, in its own process
+    and cache: no register transpose, plain value loops) give the same attention."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = str(Path(__file__).resolve().parents[1])
+    env = dict(os.environ, PAGED_JAX_HOME=str(tmp_path), PAGED_JAX_NATIVE_FLAGS="-mno-avx512f", JAX_PLATFORMS="cpu")
+    res = subprocess.run([sys.executable, "-c", PORTABLE_CHECK.format(root=root)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    out = json.loads(res.stdout.strip().splitlines()[-1])
+    assert out["library"].startswith(str(tmp_path)) and max(out["errs"]) < 2e-5, out
