@@ -42,7 +42,7 @@ def ragged_case(rng, H, KVH, D, block_size, query_lens, contexts, num_blocks=Non
     return q, k, v, tables, np.asarray(contexts, np.int32), starts, np.asarray(query_lens, np.int32)
 
 
-def oracle(q, k, v, tables, lens, starts, qlens, scale):
+def oracle(q, k, v, tables, lens, starts, qlens, scale, window=None, cap=None):
     """numpy_attention row by row, back to token-flat; tokens no row owns are zeros."""
     out = np.zeros(q.shape, np.float64)
     for s in range(len(lens)):
@@ -50,7 +50,7 @@ def oracle(q, k, v, tables, lens, starts, qlens, scale):
         if n:
             rows = q[None, starts[s]:starts[s] + n]
             out[starts[s]:starts[s] + n] = numpy_attention(rows, k, v, tables[s:s + 1], lens[s:s + 1],
-                                                           qlens[s:s + 1], scale)[0]
+                                                           qlens[s:s + 1], scale, window=window, cap=cap)[0]
     return out
 
 
@@ -75,6 +75,28 @@ def test_ragged_step_matches_numpy(H, KVH, D, block_size):
     for s, n in zip(starts, qlens):
         owned[s:s + n] = True
     assert not got[~owned].any() and not owned.all()  # the unowned tokens (there are some) are zeros
+
+
+@pytest.mark.parametrize("window,cap", [(7, None), (40, 2.0), (None, 1.5), (1, None)])
+@pytest.mark.parametrize("H,KVH,D,block_size", [SHAPES[0], SHAPES[2]])
+def test_sliding_window_and_soft_cap(H, KVH, D, block_size, window, cap):
+    """A window shorter than a block, over several chunks, of one key; a soft-cap under the scores'
+    spread (so that it changes them). Blocks wholly before every query's window are never read:
+    they are poisoned with NaN here."""
+    rng = np.random.default_rng(D + (window or 0))
+    query_lens, contexts = [1, 1, 37, 150, 9, 0], [1, 70, 37, 300, 120, 5]
+    q, k, v, tables, lens, starts, qlens = ragged_case(rng, H, KVH, D, block_size, query_lens, contexts)
+    q = q * 3
+    want = oracle(q, k, v, tables, lens, starts, qlens, 0.3, window, cap)
+    plain = oracle(q, k, v, tables, lens, starts, qlens, 0.3)
+    assert np.abs(want - plain).max() > 1e-2  # the window or cap does change the result
+    if window is not None:  # as a windowed engine may: blocks no query still sees hold anything
+        for s, (n, c) in enumerate(zip(query_lens, contexts)):
+            first_seen = max(0, c - n - window + 1)
+            k[tables[s, :first_seen // block_size]] = np.nan
+            v[tables[s, :first_seen // block_size]] = np.nan
+    got = np.asarray(native.paged_attention(q, k, v, tables, lens, starts, qlens, 0.3, window, cap))
+    np.testing.assert_allclose(got, want, rtol=3e-5, atol=3e-5)
 
 
 def test_decode_rows_are_the_decode_kernel():

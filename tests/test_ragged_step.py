@@ -54,7 +54,7 @@ BACKENDS = ["reference", "native", "pallas-interpret"]
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_ragged_layer_matches_numpy(backend, seed):
-    windowed = seed == 2 and backend != "native"  # the native kernel refuses a window and a soft-cap
+    windowed = seed == 2
     spec = AttentionSpec(0.3, sliding_window=7 if windowed else None, logit_soft_cap=4.0 if windowed else None)
     if backend == "native" and not native.available():
         pytest.skip(f"native kernel not built: {native.status()}")

@@ -163,7 +163,7 @@ class NativeBackend:
     :func:`blockwise_prefill_attention`).
 
     float32 or bfloat16 caches, or an 8-bit one (``kv_cache_dtype="int8" | "fp8"``), on a CPU where the
-    kernel builds; no sliding window or soft-cap (the kernel has neither)."""
+    kernel builds; the spec's sliding window and soft-cap are the kernel's arguments."""
 
     name = "native"
     DTYPES = ("float32", "bfloat16", "int8", "fp8")
@@ -172,10 +172,7 @@ class NativeBackend:
         from paged_jax import native
 
         why = None
-        if spec.sliding_window is not None or spec.logit_soft_cap is not None:
-            why = (f"its kernel has no sliding window or logit soft-cap, and the model asks for "
-                   f"sliding_window={spec.sliding_window}, logit_soft_cap={spec.logit_soft_cap}")
-        elif str(dtype) not in self.DTYPES:
+        if str(dtype) not in self.DTYPES:
             why = f"it takes caches of dtype {', '.join(self.DTYPES)}, got {dtype!r}"
         elif jax.default_backend() != "cpu":
             why = f"it runs on a CPU, and JAX's default backend is {jax.default_backend()!r}"
@@ -187,7 +184,8 @@ class NativeBackend:
     def decode(self, q, k_cache, v_cache, meta, spec: AttentionSpec):
         from paged_jax import native
 
-        return native.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, spec.scale)
+        return native.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, spec.scale,
+                                   spec.sliding_window, spec.logit_soft_cap)
 
     def prefill(self, q, k_cache, v_cache, meta, spec: AttentionSpec):
         return REFERENCE.prefill(q, k_cache, v_cache, meta, spec)
@@ -197,7 +195,7 @@ class NativeBackend:
 
         starts = meta.last_token - meta.query_lens + 1
         return native.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, starts,
-                                      meta.query_lens, spec.scale)
+                                      meta.query_lens, spec.scale, spec.sliding_window, spec.logit_soft_cap)
 
 
 REFERENCE = ReferenceBackend()

@@ -4,8 +4,9 @@
 // The same function as paged_jax.attention.reference.paged_attention_reference, on token-flat
 // queries: row s has query_lens[s] new tokens, consecutive in q from query_starts[s], the i-th at
 // position context_lens[s] - query_lens[s] + i, and each attends over its row's keys up to its own
-// position (causal), read through block_tables[s] straight from the paged cache (nothing is
-// gathered into a temporary), softmax in float32. A decode step is rows of one query each. Slots
+// position (causal; with a sliding window, only its last `window` keys; scores soft-capped when
+// asked), read through block_tables[s] straight from the paged cache (nothing is gathered into a
+// temporary), softmax in float32. A decode step is rows of one query each. Slots
 // past a row's context are never read; query tokens no row covers come out zero. Work is split
 // into (row, block of queries) items, shared with XLA's intra-op thread pool; the queries of one
 // item share each K/V block they read, so a long chunk reads its context once per block of
@@ -51,7 +52,9 @@ struct Problem {
   T* out;                 // [NT, H, D]
   int64_t NT, S, H, D, NB, BS, KVH, MB;
   float scale;
-  int64_t E;  // elements per token and head in the cache
+  int64_t E;         // elements per token and head in the cache
+  int64_t window;    // > 0: a query at position p sees keys p - window + 1 .. p only
+  float soft_cap;    // > 0: scores become soft_cap * tanh(scores / soft_cap) before the softmax
 };
 
 inline float ToFloat(float x) { return x; }
@@ -131,6 +134,15 @@ inline float ExpNonPositive(float x) {
   p = p * r + 5.0000001201e-1f;
   const float er = p * r * r + r + 1.f;
   return er * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
+}
+
+// tanh(y) = sign(y) (1 - e^-2|y|) / (1 + e^-2|y|), through ExpNonPositive so that a loop of it
+// vectorizes; within a few ulp of 1 at large |y|, and within about 1e-7 of y near 0.
+inline float Tanh(float y) {
+  const float a = y < 0.f ? -y : y;
+  const float e = ExpNonPositive(-2.f * a);
+  const float t = (1.f - e) / (1.f + e);
+  return y < 0.f ? -t : t;
 }
 
 constexpr int64_t kLanes = 16;   // keys per vector of scores (one AVX-512 register of float32)
@@ -263,9 +275,16 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, std::v
     int64_t b = table[j];
     return std::clamp<int64_t>(b < 0 ? b + p.NB : b, 0, p.NB - 1);
   };
-  // Query i's keys in a chunk starting at pos0: t < visible(i, pos0, nk) (causal, within nk).
+  // Query i's keys in a chunk starting at pos0: seen_from(i, pos0, nk) <= t < visible(i, pos0, nk)
+  // (causal, and within the sliding window, within nk).
   auto visible = [&](int64_t i, int64_t pos0, int64_t nk) { return std::clamp<int64_t>(first + i - pos0 + 1, 0, nk); };
-  for (int64_t pos0 = 0; pos0 < L; pos0 += CK) {
+  auto seen_from = [&](int64_t i, int64_t pos0, int64_t nk) {
+    return p.window > 0 ? std::clamp<int64_t>(first + i - p.window + 1 - pos0, 0, nk) : int64_t{0};
+  };
+  // Chunks wholly before the first query's window are not read (nor their blocks, which a windowed
+  // sequence may have given back).
+  const int64_t from = p.window > 0 ? std::max<int64_t>(0, first - p.window + 1) / CK * CK : 0;
+  for (int64_t pos0 = from; pos0 < L; pos0 += CK) {
     const int64_t nk = std::min(CK, L - pos0);
     for (int64_t t = 0; t < nk; t += BS) {
       const C* kb = p.k + block_at((pos0 + t) / BS) * BS * row;
@@ -319,15 +338,21 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, std::v
     // count, so the loops vectorize without a scalar tail; lanes past the visible keys are masked).
     for (int64_t r = 0; r < nh; ++r) {
       float* x = sc + r * nl;
-      const int64_t nv = visible(r % n, pos0, nk);
+      const int64_t lo = seen_from(r % n, pos0, nk), nv = visible(r % n, pos0, nk);
+      if (p.soft_cap > 0.f) {
+        const float cap = p.soft_cap, inv_cap = 1.f / p.soft_cap;
+        for (int64_t c = 0; c < nl; c += kLanes)
+#pragma omp simd
+          for (int64_t l = 0; l < kLanes; ++l) x[c + l] = cap * Tanh(x[c + l] * inv_cap);
+      }
       float mx = m[r];
       for (int64_t c = 0; c < nl; c += kLanes)
 #pragma omp simd reduction(max : mx)
         for (int64_t l = 0; l < kLanes; ++l) {
           const float v = x[c + l];
-          mx = c + l < nv && v > mx ? v : mx;
+          mx = c + l >= lo && c + l < nv && v > mx ? v : mx;
         }
-      if (nv == 0 || mx == -INFINITY) {  // this query sees none of these keys: nothing to add
+      if (nv <= lo || mx == -INFINITY) {  // this query sees none of these keys: nothing to add
         std::fill(x, x + nl, 0.f);
         continue;
       }
@@ -342,7 +367,7 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, std::v
         }
 #pragma omp simd reduction(+ : sum)
         for (int64_t l = 0; l < kLanes; ++l) {
-          const float w = c + l < nv ? e[l] : 0.f;  // 0: a key it does not see
+          const float w = c + l >= lo && c + l < nv ? e[l] : 0.f;  // 0: a key it does not see
           x[c + l] = w;
           sum += w;
         }
@@ -367,7 +392,7 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, std::v
         }
       }
       for (int64_t r = kh * G * n; r < (kh + 1) * G * n; ++r)
-        WeightedValues<kD>(sc + r * nl, 0, visible(r % n, pos0, nk), vr, D, out + r * D);
+        WeightedValues<kD>(sc + r * nl, seen_from(r % n, pos0, nk), visible(r % n, pos0, nk), vr, D, out + r * D);
     }
   }
   for (int64_t i = 0; i < n; ++i)
@@ -397,13 +422,14 @@ struct Rows {
 
 template <typename T, typename C>
 ffi::Error Run(ffi::ThreadPool pool, const T* q, ffi::Span<const int64_t> qd, const C* k, const C* v,
-               ffi::Span<const int64_t> kd, ffi::Span<const int64_t> vd, const Rows& rows, float scale, T* out,
-               int64_t extra) {
+               ffi::Span<const int64_t> kd, ffi::Span<const int64_t> vd, const Rows& rows, float scale,
+               int64_t window, float soft_cap, T* out, int64_t extra) {
   auto bd = rows.tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2 || vd.size() != 4 || !std::equal(kd.begin(), kd.end(), vd.begin()))
     return ffi::Error::InvalidArgument("paged_attention: expected q [T,H,D], caches [NB,BS,KVH,D(+2)], tables [S,MB]");
   Problem<T, C> p{q, k, v, rows.tables.typed_data(), rows.lens.typed_data(), rows.starts.typed_data(),
-                  rows.qlens.typed_data(), out, qd[0], bd[0], qd[1], qd[2], kd[0], kd[1], kd[2], bd[1], scale, kd[3]};
+                  rows.qlens.typed_data(), out, qd[0], bd[0], qd[1], qd[2], kd[0], kd[1], kd[2], bd[1], scale, kd[3],
+                  window, soft_cap};
   for (const auto* r : {&rows.lens, &rows.starts, &rows.qlens})
     if (r->dimensions().size() != 1 || r->dimensions()[0] != p.S)
       return ffi::Error::InvalidArgument("paged_attention: lengths, starts and query lengths need one entry a row");
@@ -454,26 +480,26 @@ ffi::Error Run(ffi::ThreadPool pool, const T* q, ffi::Span<const int64_t> qd, co
 template <ffi::DataType DT>
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k, ffi::Buffer<DT> v,
                 ffi::Buffer<ffi::S32> bt, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> starts,
-                ffi::Buffer<ffi::S32> qlens, float scale, ffi::ResultBuffer<DT> out) {
+                ffi::Buffer<ffi::S32> qlens, float scale, int64_t window, float soft_cap, ffi::ResultBuffer<DT> out) {
   return Run(pool, q.typed_data(), q.dimensions(), k.typed_data(), v.typed_data(), k.dimensions(), v.dimensions(),
-             Rows{bt, lens, starts, qlens}, scale, out->typed_data(), 0);
+             Rows{bt, lens, starts, qlens}, scale, window, soft_cap, out->typed_data(), 0);
 }
 
 // float32 queries over an int8 cache with a float16 scale per token and head (kv_quant's layout).
 ffi::Error ImplQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k, ffi::Buffer<ffi::S8> v,
                   ffi::Buffer<ffi::S32> bt, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> starts,
-                  ffi::Buffer<ffi::S32> qlens, float scale, ffi::ResultBuffer<ffi::F32> out) {
+                  ffi::Buffer<ffi::S32> qlens, float scale, int64_t window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
   return Run(pool, q.typed_data(), q.dimensions(), k.typed_data(), v.typed_data(), k.dimensions(), v.dimensions(),
-             Rows{bt, lens, starts, qlens}, scale, out->typed_data(), 2);
+             Rows{bt, lens, starts, qlens}, scale, window, soft_cap, out->typed_data(), 2);
 }
 
 // The same over an fp8 cache: e4m3 bits in uint8 (as kv_quant stores them), a float16 scale each.
 ffi::Error ImplFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> k, ffi::Buffer<ffi::U8> v,
                    ffi::Buffer<ffi::S32> bt, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> starts,
-                   ffi::Buffer<ffi::S32> qlens, float scale, ffi::ResultBuffer<ffi::F32> out) {
+                   ffi::Buffer<ffi::S32> qlens, float scale, int64_t window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
   return Run(pool, q.typed_data(), q.dimensions(), reinterpret_cast<const Fp8E4M3*>(k.typed_data()),
              reinterpret_cast<const Fp8E4M3*>(v.typed_data()), k.dimensions(), v.dimensions(),
-             Rows{bt, lens, starts, qlens}, scale, out->typed_data(), 2);
+             Rows{bt, lens, starts, qlens}, scale, window, soft_cap, out->typed_data(), 2);
 }
 
 }  // namespace
@@ -489,6 +515,8 @@ ffi::Error ImplFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
       .Arg<ffi::Buffer<ffi::S32>>()          \
       .Arg<ffi::Buffer<ffi::S32>>()          \
       .Attr<float>("scale")                  \
+      .Attr<int64_t>("window")               \
+      .Attr<float>("soft_cap")               \
       .Ret<ffi::Buffer<QT>>()
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionF32, Impl<ffi::F32>, PAGED_ATTENTION_BINDING(ffi::F32, ffi::F32));

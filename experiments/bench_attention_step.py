@@ -1,0 +1,93 @@
+"""One layer's attention over one ragged step, by backend path, side by side in one process.
+
+    python experiments/bench_attention_step.py [--heads 8] [--kv-heads 8] [--head-dim 64] [--repeats 5]
+
+Two steps, each through ``paged_attention_layer`` (the cache write included), jitted, the best of
+``--repeats`` timings of 10 calls kept:
+
+- *short prompts*: four whole prompts of 60-70 tokens (a 256-token bucket), as the prefill of many
+  short requests runs;
+- *long chunk*: 16 decodes (contexts of 41) beside a 240-token chunk ending at a 4,000-token context,
+  as a long prompt's late chunk runs under chunked prefill.
+
+Paths: ``native`` (the ``"auto"`` choice on a CPU: the ragged kernel takes the whole step),
+``tiles`` (the native decode kernel plus the query tiles through the reference's blockwise jnp
+prefill: what ``"auto"`` ran before the kernel took whole steps) and ``reference`` (plain jnp).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import bench_common  # noqa: F401  (puts this checkout on the path)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--heads", type=int, default=8)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=64)
+    ap.add_argument("--block-size", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    a = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from paged_jax import native
+    from paged_jax.attention import AttentionSpec, NativeBackend, get_backend, paged_attention_layer
+    from paged_jax.executor.batch import SeqChunk, prepare_batch
+
+    class Tiles(NativeBackend):
+        name = "tiles"
+        ragged = None  # the layer's decode + query tiles path
+
+    if not native.available():
+        raise SystemExit(f"the native kernels are not available here: {native.status()}")
+    H, KVH, D, bs = a.heads, a.kv_heads, a.head_dim, a.block_size
+    spec = AttentionSpec(scale=D ** -0.5)
+    rng = np.random.default_rng(0)
+
+    def step(kinds):
+        chunks, nb = [], 1
+        for n, ctx in kinds:
+            blocks = -(-ctx // bs)
+            chunks.append(SeqChunk(list(range(n)), ctx - n, list(range(nb, nb + blocks))))
+            nb += blocks
+        return prepare_batch(chunks, bs), nb
+
+    steps = {"short prompts": [(60, 60), (70, 70), (64, 64), (62, 62)],
+             "long chunk": [(1, 41)] * 16 + [(240, 4000)]}
+    backends = {"native": get_backend("native"), "tiles": Tiles(), "reference": get_backend("reference")}
+    print(f"one layer: {H} heads ({KVH} KV heads) of {D}, blocks of {bs}, float32; ms per call, best of "
+          f"{a.repeats} x 10 calls")
+    print("| step | " + " | ".join(backends) + " | tiles / native |")
+    print("|---|" + "---:|" * (len(backends) + 1))
+    for name, kinds in steps.items():
+        batch, nb = step(kinds)
+        T = batch.input_ids.shape[0]
+        q = jnp.asarray(rng.standard_normal((T, H, D)), jnp.float32)
+        kv = jnp.asarray(rng.standard_normal((T, KVH, D)), jnp.float32)
+        cache = jnp.asarray(rng.standard_normal((nb + 4, bs, KVH, D)), jnp.float32)
+        meta = jax.tree.map(jnp.asarray, batch)
+        ms = {}
+        for bname, backend in backends.items():
+            fn = jax.jit(lambda q, kv, kc, vc, m, b=backend: paged_attention_layer(q, kv, kv, (kc, vc), meta=m, spec=spec,
+                                                                                    backend=b)[0])
+            fn(q, kv, cache, cache, meta).block_until_ready()
+            best = float("inf")
+            for _ in range(a.repeats):
+                t = time.perf_counter()
+                for _ in range(10):
+                    out = fn(q, kv, cache, cache, meta)
+                out.block_until_ready()
+                best = min(best, (time.perf_counter() - t) / 10 * 1e3)
+            ms[bname] = best
+        print(f"| {name} (T={T}) | " + " | ".join(f"{v:.2f}" for v in ms.values()) +
+              f" | {ms['tiles'] / ms['native']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
