@@ -179,6 +179,7 @@ inline void Transpose16(const float* const* src, float* dst, int64_t ld) {
 #define PAGED_JAX_SCORE_ROWS 8
 #endif
 constexpr int64_t kRowTile = PAGED_JAX_SCORE_ROWS;  // query rows whose scores are computed together, sharing each key load
+constexpr int64_t kMinTransposeRows = 4;  // query rows of a KV head from which its keys are transposed (below: dot products)
 
 // scores[r, c .. c + kLanes) = q[r] . keys[c .. c + kLanes) for `rows` rows (at most kRowTile) of
 // q ([rows, D], row stride D) against kt ([D, ldk]: the block's keys, transposed, one per lane).
@@ -198,20 +199,10 @@ inline void ScoreTile(const float* q, int64_t rows, int64_t D, const float* kt, 
   for (int64_t r = 0; r < rows; ++r) std::copy(acc[r], acc[r] + kLanes, scores + r * lds + c);
 }
 
-// out[0 .. D) += sum over t in [t0, t1) of w[t] * v[t][0 .. D), the output held in registers.
+// out[0 .. D) += sum over t in [t0, t1) of w[t] * v[t][0 .. D), in plain loops: what
+// WeightedValueRows does without AVX-512 or for a head size that is not a multiple of 16.
 template <int kD>
 inline void WeightedValues(const float* w, int64_t t0, int64_t t1, const float* const* v, int64_t D, float* out) {
-#ifdef __AVX512F__
-  const int64_t len = kD > 0 ? kD : D;
-  if (len % 16 == 0) {  // written out: GCC vectorizes the plain loop across t, by gathers
-    for (int64_t j = 0; j < len; j += 16) {  // 16 outputs at a time, in a register
-      __m512 acc = _mm512_loadu_ps(out + j);
-      for (int64_t t = t0; t < t1; ++t) acc = _mm512_fmadd_ps(_mm512_set1_ps(w[t]), _mm512_loadu_ps(v[t] + j), acc);
-      _mm512_storeu_ps(out + j, acc);
-    }
-    return;
-  }
-#endif
   if constexpr (kD > 0) {
     float acc[kD];
     std::copy(out, out + kD, acc);
@@ -230,7 +221,8 @@ inline void WeightedValues(const float* w, int64_t t0, int64_t t1, const float* 
 // The same for kValueRows rows at once (out rows and weight rows a stride apart), each over
 // [t0, t1): every key's value loaded once for all of them. A row's weights are 0 outside its own
 // visible keys, and every key in [t0, t1) is one some query of the item sees (so it holds a real,
-// finite value).
+// finite value). Written out in AVX-512: GCC vectorizes the plain loop across t, by gathers (80 % of
+// a long chunk's time).
 constexpr int64_t kValueRows = 4;
 template <int kD>
 inline void WeightedValueRows(const float* w, int64_t ldw, int64_t rows, int64_t t0, int64_t t1,
@@ -282,14 +274,14 @@ template <int kD, typename T, typename C>
 void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, std::vector<float>& scratch) {
   const int64_t H = p.H, KVH = p.KVH, G = H / KVH, D = p.D, E = p.E, BS = p.BS, row = KVH * E, nh = n * H;
   const int64_t CK = KeysPerChunk(BS), nl = (CK + kLanes - 1) / kLanes * kLanes;  // scores per row, whole vectors
-  const bool transpose = G * n >= 4;
+  const bool transpose = G * n >= kMinTransposeRows;
   scratch.resize(nh * nl + 2 * nh + 2 * nh * D + D * nl + CK * D + D);
   float* sc = scratch.data();  // [H, n, nl] this chunk's scores, then weights
   float* m = sc + nh * nl;     // [H, n] running max
   float* den = m + nh;         // [H, n] running sum of exp
   float* q = den + nh;         // [H, n, D] the queries
   float* out = q + nh * D;     // [H, n, D] accumulated output
-  float* kt = out + nh * D;    // [D, nl] one KV head's keys of the chunk, transposed and scaled
+  float* kt = out + nh * D;    // [D, nl] one KV head's keys of the chunk, transposed (times their scale if 8-bit)
   float* vf = kt + D * nl;     // [CK, D] one KV head's values of the chunk as float32, scaled (not a float cache)
   float* zeros = vf + CK * D;  // [D] the key read for lanes past the chunk's keys
   // Each key's row in the cache (all KV heads), for this chunk (kr) and the next (nkr); one KV head's
