@@ -180,8 +180,23 @@ def test_engine_death_health_metrics_and_exit_status(tiny_llama_dir, monkeypatch
 
     import httpx
 
-    from paged_jax.server.api_server import run_server
+    from paged_jax.server import api_server
 
+    checked = threading.Event()
+
+    class HoldsTheServerUp(api_server.AsyncLLMEngine):
+        """The server's on_fatal hook shuts it down at once, before a client could ask /health or
+        /metrics; here it runs only once the client has asked them (or after 30 s)."""
+
+        @property
+        def on_fatal(self):
+            return self._on_fatal
+
+        @on_fatal.setter
+        def on_fatal(self, hook):
+            self._on_fatal = None if hook is None else (lambda exc: (checked.wait(30), hook(exc)))
+
+    monkeypatch.setattr(api_server, "AsyncLLMEngine", HoldsTheServerUp)
     engine = LLM(model=str(tiny_llama_dir), num_kv_blocks=16, max_model_len=128).llm_engine
 
     def broken_step():
@@ -194,30 +209,32 @@ def test_engine_death_health_metrics_and_exit_status(tiny_llama_dir, monkeypatch
     url, seen = f"http://127.0.0.1:{port}", {}
 
     def client():
-        for _ in range(300):
-            try:
-                httpx.get(url + "/health", timeout=1)
-                break
-            except httpx.TransportError:
-                time.sleep(0.05)
-        seen["completion"] = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi"}, timeout=30)
-        try:  # the server may already be gone
+        try:
+            for _ in range(300):
+                try:
+                    seen["health_before"] = httpx.get(url + "/health", timeout=1)
+                    break
+                except httpx.TransportError:
+                    time.sleep(0.05)
+            seen["completion"] = httpx.post(url + "/v1/completions", json={"model": "tiny", "prompt": "hi"},
+                                            timeout=30)
             seen["health"] = httpx.get(url + "/health", timeout=5)
             seen["metrics"] = httpx.get(url + "/metrics", timeout=5)
-        except httpx.TransportError:
-            pass
+        finally:
+            checked.set()
 
     t = threading.Thread(target=client)
     t.start()
-    status = run_server(engine, port=port, served_model_name="tiny", log_level="warning", access_log=False)
+    status = api_server.run_server(engine, port=port, served_model_name="tiny", log_level="warning",
+                                   access_log=False)
     t.join(30)
     assert status == 1
+    assert seen["health_before"].status_code == 200
     err = _error(seen["completion"], 503)
     assert "device lost" not in err["message"]
-    if "health" in seen:
-        assert seen["health"].status_code == 503
-    if "metrics" in seen:
-        assert "paged_jax_engine_healthy 0.0" in seen["metrics"].text
+    _error(seen["health"], 503)
+    assert seen["metrics"].status_code == 200
+    assert "paged_jax_engine_healthy 0.0" in seen["metrics"].text.splitlines()
 
 
 def test_metrics_say_the_engine_is_healthy(client):
