@@ -3,13 +3,30 @@
 from __future__ import annotations
 
 import atexit
+import importlib.metadata
 import os
 import shutil
 import tempfile
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _jax_has_a_gpu_plugin() -> bool:
+    """Whether JAX's CUDA plugin is installed, read from the installed distributions (importing
+    JAX here would fix its platform before the choice below)."""
+    return any((d.metadata["Name"] or "").lower().startswith(("jax-cuda", "jax_cuda"))
+               for d in importlib.metadata.distributions())
+
+
+# Where JAX could find a GPU, the session uses it (the `gpu`-marked tests run there): only a machine
+# without JAX's CUDA plugin is pinned to the CPU, and an explicit JAX_PLATFORMS always wins. On a GPU,
+# JAX's default float32 matmul is TF32 (about 1e-3 relative): the float32 oracles, and the engine
+# compared with them, run at full float32 precision unless JAX_DEFAULT_MATMUL_PRECISION says otherwise.
+if _jax_has_a_gpu_plugin():
+    os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+else:
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # Compiled programs (JAX's persistent cache and the compiled steps on disk) go to a directory of this
 # session, removed at its end, not the user's ~/.cache/paged_jax/jax_cache; set
 # PAGED_JAX_COMPILE_CACHE to keep them elsewhere. Child processes of the tests inherit it.

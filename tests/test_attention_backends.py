@@ -1,4 +1,5 @@
-"""Choosing the attention backend: "auto" picks native where it honours the model, else the reference;
+"""Choosing the attention backend: "auto" picks Pallas on a GPU and native on a CPU where they honour
+the model, else the reference;
 an explicit backend that cannot honour the model's spec raises at start; and a model whose config has
 a sliding window and a soft-cap runs them in every backend (reference, Pallas and native agree)."""
 
@@ -31,6 +32,34 @@ def test_auto_without_native_kernels_is_the_reference(monkeypatch):
         select_backend("native", [PLAIN], "float32")
     with pytest.raises(ValueError, match="attention_backend must be 'auto' or one of .*'native'.*got 'nativ'"):
         select_backend("nativ", [PLAIN], "float32")
+
+
+def test_auto_on_a_gpu_picks_pallas_and_never_builds_the_native_library(monkeypatch):
+    """JAX's default backend read as "gpu": "auto" runs the Pallas kernels, whatever the spec or the
+    dtype they honour, and asks nothing of the native CPU library (never built on a GPU host)."""
+    import jax
+
+    from pallas_kernels.backend import PALLAS
+
+    def no_build():
+        raise AssertionError("the native library was asked for on a GPU host")
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(native, "available", no_build)
+    assert select_backend("auto", [PLAIN, WINDOWED], "float32") is PALLAS
+    assert select_backend("auto", [PLAIN], "float16") is PALLAS
+    assert select_backend("auto", [PLAIN], "fp8") is PALLAS
+    assert select_backend("auto", [PLAIN], "float64") is REFERENCE  # no kernel of Pallas' takes it
+    with pytest.raises(ValueError, match="'native' cannot run this model: it runs on a CPU, and JAX's default "
+                                         "backend is 'gpu'"):
+        select_backend("native", [PLAIN], "float32")
+
+
+def test_auto_on_a_platform_without_kernels_is_the_reference(monkeypatch):
+    import jax
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert select_backend("auto", [PLAIN], "float32") is REFERENCE
 
 
 def test_a_windowed_soft_capped_model_pallas_and_native_match_reference(tiny_llama_dir):

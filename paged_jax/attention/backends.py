@@ -30,6 +30,7 @@ class with the three methods) and a :func:`register_backend` call
 
 from __future__ import annotations
 
+import logging
 from typing import Iterable, Optional
 
 import jax
@@ -40,7 +41,10 @@ from paged_jax.attention.prefill import blockwise_prefill_attention
 from paged_jax.attention.reference import MaskMod, ScoreMod, paged_attention_reference
 from paged_jax.attention.spec import AttentionSpec
 
-AUTO = "auto"  # the engine's default: "native" where it can honour the model, else "reference"
+AUTO = "auto"  # the engine's default: "pallas" on a GPU, "native" on a CPU, where they honour the model, else "reference"
+# What "auto" tries first, by JAX's default backend: the platform's fast kernels.
+AUTO_PREFERENCE = {"gpu": "pallas", "cpu": "native"}
+logger = logging.getLogger("paged_jax")
 _BACKENDS: dict = {}
 
 
@@ -70,15 +74,22 @@ def available_backends() -> list[str]:
 
 def select_backend(name: str, specs: Iterable[AttentionSpec], dtype: str):
     """The backend an engine runs: ``name``'s, checked against every spec (ValueError if it
-    refuses one), or for ``"auto"`` the native backend where it passes its check, else the reference."""
+    refuses one), or for ``"auto"`` the platform's kernels (:data:`AUTO_PREFERENCE`: Pallas on a
+    GPU, native on a CPU) where they pass their check, else the reference. The choice is logged
+    and shown as ``attention_backend`` in the engine's ``get_stats()``."""
     specs = set(specs)
     if name == AUTO:
-        try:
-            for spec in specs:
-                NATIVE.check(spec, dtype)
-            return NATIVE
-        except ValueError:
+        platform = jax.default_backend()
+        preferred = AUTO_PREFERENCE.get(platform)
+        if preferred is None:
             return REFERENCE
+        try:
+            backend = select_backend(preferred, specs, dtype)
+        except ValueError as e:
+            logger.info("attention_backend='auto' on %s: %s; running 'reference'", platform, e)
+            return REFERENCE
+        logger.info("attention_backend='auto' on %s: running %r", platform, backend.name)
+        return backend
     backend = get_backend(name)
     for spec in specs:
         backend.check(spec, dtype)

@@ -1,0 +1,72 @@
+"""experiments/gpu_check.sh run as a GPU session would run it, here on the CPU: it finishes, names every
+step (each GPU step "skipped: no GPU", with its small CPU run beside it), leaves at most 8 files under
+$OUT (what comes back from a lent GPU machine) with the report among them, keeps models and builds
+outside $OUT, and exits non-zero when a step fails."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+GPU_STEPS = ["nvidia-smi", "gpu-tests", "bench-kernel", "engine", "throughput"]
+
+
+def run_check(tmp_path, **env):
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "PYTHON": sys.executable, "PAGED_JAX_HOME": str(tmp_path / "home"),
+           **env}
+    env.pop("JAX_PLATFORMS", None)  # as on the GPU machine: nothing forces the CPU
+    proc = subprocess.run(["bash", str(ROOT / "experiments" / "gpu_check.sh")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    return proc, out
+
+
+@pytest.mark.slow
+def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
+    proc, out = run_check(tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    files = [p for p in out.rglob("*") if p.is_file()]
+    assert len(files) <= 8 and (out / "gpu_report.md") in files, files
+    report = (out / "gpu_report.md").read_text()
+    for name in GPU_STEPS:
+        assert f"## {name}: skipped: no GPU" in report
+    for name in ["versions", "gpu-tests-collect", "bench-kernel-cpu", "engine-cpu"]:
+        assert f"## {name} (exit 0, " in report
+    assert "greedy equal to reference float32: 4/4 requests" in report
+    assert report.rstrip().splitlines()[-1].startswith("**all steps passed**")
+    assert "== engine-cpu" in (out / "gpu_check.log").read_text()  # the whole output, beside the report
+    assert (tmp_path / "home").is_dir()
+
+
+def test_gpu_check_exits_nonzero_and_says_which_step_failed(tmp_path):
+    proc, out = run_check(tmp_path, PYTHON="false")  # every Python step fails at once
+    assert proc.returncode == 1
+    report = (out / "gpu_report.md").read_text()
+    assert "## versions (exit 1, " in report
+    assert report.rstrip().splitlines()[-1].startswith("**FAILED")
+
+
+def test_the_offline_engine_runs_without_the_servers_packages_or_torch(tiny_llama_dir):
+    """The GPU machine has no fastapi, uvicorn, openai, compressed-tensors or nbformat: importing
+    paged_jax and generating must need none of them, nor torch (a test-only dependency). Each is made
+    unimportable in a fresh interpreter (``sys.modules[name] = None``, which transformers also reads
+    as "not installed")."""
+    code = f"""
+import sys
+for name in ("torch", "fastapi", "uvicorn", "starlette", "openai", "compressed_tensors", "nbformat", "httpx"):
+    sys.modules[name] = None
+from paged_jax import LLM, SamplingParams
+llm = LLM({str(tiny_llama_dir)!r}, max_model_len=64, num_kv_blocks=16)
+out = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+assert len(out[0].outputs[0].token_ids) == 4, out
+print("ok")
+"""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                          cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stderr[-3000:]
