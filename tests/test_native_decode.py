@@ -13,6 +13,7 @@ import pytest
 from paged_jax import native
 from paged_jax.attention import AttentionMetadata, AttentionSpec, paged_attention_reference, paged_decode_attention
 from paged_jax.attention.backends import NATIVE, REFERENCE
+from tests.native_paths import native_paths_report  # noqa: F401 (autouse: the paths report)
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernel not built: {native.status()}")
 

@@ -9,6 +9,7 @@ import pytest
 from paged_jax import native
 from paged_jax.models.layers import linear
 from paged_jax.models.weights import DenseEmbedding, DenseLinear, PanelEmbedding, PanelLinear
+from tests.native_paths import native_paths_report, run_portable  # noqa: F401 (autouse: the paths report)
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels not built: {native.status()}")
 
@@ -195,39 +196,37 @@ for values, bits in [(rng.integers(-128, 128, size=(64, 48)).astype(np.int8), 8)
         x = jnp.asarray(rng.standard_normal((M, 64)).astype(np.float32))
         got = np.asarray(native.linear_quantized(x, panels, scales, bits, zeros))[:, :48]
         errs.append(float(np.abs(got - np.asarray(x @ p.dequantize())).max()))
-print(json.dumps({"errs": errs, "library": native.status()["library"], "avx512_matmul": native.status()["avx512_matmul"],
-                  "vnni_matmul": native.status()["vnni_matmul"], "packs_weights": native.packs_weights()}))
+print(json.dumps({"errs": errs, "status": native.status(), "packs_weights": native.packs_weights()}))
 """
 
 
 @needs_native
-def test_portable_loops_without_avx512(tmp_path):
-    """The matmuls' loops for CPUs without AVX-512 (built here with -mno-avx512f, in its own
-    process and cache) give the same products: float32, int8 / int4 / fp8 weights, and int8 x int8
-    (no VNNI either)."""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, PAGED_JAX_HOME=str(tmp_path), PAGED_JAX_NATIVE_FLAGS="-mno-avx512f", JAX_PLATFORMS="cpu")
-    res = subprocess.run([sys.executable, "-c", PORTABLE_CHECK], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["library"].startswith(str(tmp_path)) and max(out["errs"]) < 1e-3, out
-    assert out["avx512_matmul"] is False and out["packs_weights"] is False  # the runner keeps XLA's matmuls
-    assert out["vnni_matmul"] is False
+def test_portable_loops_without_avx512(tmp_path_factory):
+    """The matmuls' loops for CPUs without AVX-512 (built with -mno-avx512f, in its own process)
+    give the same products: float32, int8 / int4 / fp8 weights, and int8 x int8 (no VNNI either)."""
+    out = run_portable(PORTABLE_CHECK, tmp_path_factory, "test_native_linear.py::test_portable_loops_without_avx512")
+    assert len(out["errs"]) == 12 and max(out["errs"]) < 1e-3, out["errs"]
+    assert {"linear float32", "linear int8", "linear int4", "linear fp8",
+            "linear int8 x int8"} <= set(out["status"]["traced"])
+    assert out["packs_weights"] is False  # the runner keeps XLA's float32 matmuls
 
 
 @needs_native
 def test_avx512_tiles_where_the_cpu_has_them(monkeypatch, tiny_llama_dir):
-    """The default build uses AVX-512 exactly where the CPU has it; a runner packs only then."""
+    """The default build uses AVX-512 (VNNI for the int8 x int8 matmul) exactly where the CPU has it,
+    in every kernel; a runner packs float32 weights only then."""
     from paged_jax.executor.model_runner import ModelRunner
     from paged_jax.parallel import load_for_serving
 
     with open("/proc/cpuinfo") as f:
-        has = any(line.startswith("flags") and " avx512f" in line for line in f)
+        flags = next((line for line in f if line.startswith("flags")), "").split()
+    off = "-mno-avx512f" in native._flags()  # PAGED_JAX_NATIVE_FLAGS: this CPU's AVX2 paths, on purpose
+    has = "avx512f" in flags and not off
+    vnni = has and "avx512_vnni" in flags
     assert native.status()["avx512_matmul"] == has == native.packs_weights()
+    want = "avx512" if has else "portable"
+    assert native.paths() == {"attention": want, "linear float32": want, "linear quantized": want,
+                              "linear int8 x int8": "vnni" if vnni else "portable"}
     cfg, params, _ = load_for_serving(str(tiny_llama_dir), "float32", 1)
     monkeypatch.setitem(native._state, "avx512_matmul", False)  # as on a CPU without AVX-512
     runner = ModelRunner(cfg, params, 4, 8, 0)

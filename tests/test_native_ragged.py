@@ -14,6 +14,7 @@ import pytest
 
 from paged_jax import native
 from paged_jax.attention import kv_quant
+from tests.native_paths import native_paths_report, run_portable  # noqa: F401 (autouse: the paths report)
 from tests.test_kv_quant_kernels import numpy_attention, numpy_dequantize
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernel not built: {native.status()}")
@@ -77,12 +78,9 @@ def test_ragged_step_matches_numpy(H, KVH, D, block_size):
     assert not got[~owned].any() and not owned.all()  # the unowned tokens (there are some) are zeros
 
 
-@pytest.mark.parametrize("window,cap", [(7, None), (40, 2.0), (None, 1.5), (1, None)])
-@pytest.mark.parametrize("H,KVH,D,block_size", [SHAPES[0], SHAPES[2]])
-def test_sliding_window_and_soft_cap(H, KVH, D, block_size, window, cap):
-    """A window shorter than a block, over several chunks, of one key; a soft-cap under the scores'
-    spread (so that it changes them). Blocks wholly before every query's window are never read:
-    they are poisoned with NaN here."""
+def window_cap_case(H, KVH, D, block_size, window, cap):
+    """A ragged step with a sliding window and / or a soft-cap: (the kernel's arguments, the oracle's
+    output). Blocks wholly before every query's window are poisoned with NaN."""
     rng = np.random.default_rng(D + (window or 0))
     query_lens, contexts = [1, 1, 37, 150, 9, 0], [1, 70, 37, 300, 120, 5]
     q, k, v, tables, lens, starts, qlens = ragged_case(rng, H, KVH, D, block_size, query_lens, contexts)
@@ -95,8 +93,16 @@ def test_sliding_window_and_soft_cap(H, KVH, D, block_size, window, cap):
             first_seen = max(0, c - n - window + 1)
             k[tables[s, :first_seen // block_size]] = np.nan
             v[tables[s, :first_seen // block_size]] = np.nan
-    got = np.asarray(native.paged_attention(q, k, v, tables, lens, starts, qlens, 0.3, window, cap))
-    np.testing.assert_allclose(got, want, rtol=3e-5, atol=3e-5)
+    return (q, k, v, tables, lens, starts, qlens, 0.3, window, cap), want
+
+
+@pytest.mark.parametrize("window,cap", [(7, None), (40, 2.0), (None, 1.5), (1, None)])
+@pytest.mark.parametrize("H,KVH,D,block_size", [SHAPES[0], SHAPES[2]])
+def test_sliding_window_and_soft_cap(H, KVH, D, block_size, window, cap):
+    """A window shorter than a block, over several chunks, of one key; a soft-cap under the scores'
+    spread (so that it changes them). Blocks wholly before every query's window are never read."""
+    args, want = window_cap_case(H, KVH, D, block_size, window, cap)
+    np.testing.assert_allclose(np.asarray(native.paged_attention(*args)), want, rtol=3e-5, atol=3e-5)
 
 
 def test_decode_rows_are_the_decode_kernel():
@@ -108,10 +114,9 @@ def test_decode_rows_are_the_decode_kernel():
     np.testing.assert_array_equal(np.asarray(native.paged_decode(q, k, v, tables, lens, 0.125)), np.asarray(ragged))
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "fp8"])
-def test_ragged_step_in_every_cache_dtype(dtype):
-    """bfloat16 queries and caches (the oracle reads the rounded values), or float32 queries over an
-    8-bit cache in kv_quant's layout (the oracle reads the dequantized values)."""
+def cache_dtype_case(dtype):
+    """A ragged step in bfloat16 (queries and caches) or over an 8-bit cache: (the kernel's arguments,
+    the oracle's output, the tolerance)."""
     H, KVH, D, bs = 8, 2, 64, 16
     rng = np.random.default_rng(7)
     q, k, v, tables, lens, starts, qlens = ragged_case(rng, H, KVH, D, bs, [1, 40, 1, 100], [30, 40, 120, 260])
@@ -125,8 +130,16 @@ def test_ragged_step_in_every_cache_dtype(dtype):
         want = oracle(q, numpy_dequantize(np.asarray(k), D), numpy_dequantize(np.asarray(v), D), tables, lens, starts,
                       qlens, 0.125)
         tol = 1e-5
-    got = native.paged_attention(q, k, v, tables, lens, starts, qlens, 0.125)
-    assert got.dtype == q.dtype
+    return (q, k, v, tables, lens, starts, qlens, 0.125), want, tol
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "fp8"])
+def test_ragged_step_in_every_cache_dtype(dtype):
+    """bfloat16 queries and caches (the oracle reads the rounded values), or float32 queries over an
+    8-bit cache in kv_quant's layout (the oracle reads the dequantized values)."""
+    args, want, tol = cache_dtype_case(dtype)
+    got = native.paged_attention(*args)
+    assert got.dtype == args[0].dtype
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol)
 
 
@@ -144,35 +157,36 @@ def test_rows_outside_the_queries_or_overlapping_are_refused():
 
 
 PORTABLE_CHECK = """
-import json, sys
-sys.path.insert(0, {root!r})
+import json
 import numpy as np
 from paged_jax import native
-from tests.test_native_ragged import SHAPES, oracle, ragged_case
+from tests.test_native_ragged import SHAPES, cache_dtype_case, oracle, ragged_case, window_cap_case
 assert native.available(), native.status()
-errs = []
+checks = []  # (case, largest error, tolerance)
 for H, KVH, D, bs in SHAPES:
     rng = np.random.default_rng(D)
     case = ragged_case(rng, H, KVH, D, bs, [1, 1, 40, 70, 0], [1, 90, 40, 200, 3])
     got = np.asarray(native.paged_attention(*case, 0.25))
-    errs.append(float(np.abs(got - oracle(*case, 0.25)).max()))
-print(json.dumps({{"errs": errs, "library": native.status()["library"]}}))
+    checks.append((f"float32 {H}/{KVH} heads of {D}, blocks of {bs}", float(np.abs(got - oracle(*case, 0.25)).max()),
+                   2e-5))
+for window, cap in [(7, None), (40, 2.0)]:
+    args, want = window_cap_case(*SHAPES[0], window, cap)
+    got = np.asarray(native.paged_attention(*args))
+    checks.append((f"window {window}, soft-cap {cap}", float(np.abs(got - want).max()), 3e-5))
+for dtype in ["bfloat16", "int8", "fp8"]:
+    args, want, tol = cache_dtype_case(dtype)
+    got = np.asarray(native.paged_attention(*args), np.float32)
+    checks.append((f"{dtype} cache", float(np.abs(got - want).max()), tol))
+print(json.dumps({"checks": checks, "status": native.status()}))
 """
 
 
-def test_portable_loops_without_avx512(tmp_path):
-    """The kernel's loops for CPUs without AVX-512 (built here with -mno-avx512f, in its own process
-    and cache: no register transpose, plain value loops) give the same attention."""
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    root = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, PAGED_JAX_HOME=str(tmp_path), PAGED_JAX_NATIVE_FLAGS="-mno-avx512f", JAX_PLATFORMS="cpu")
-    res = subprocess.run([sys.executable, "-c", PORTABLE_CHECK.format(root=root)], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-3000:]
-    out = json.loads(res.stdout.strip().splitlines()[-1])
-    assert out["library"].startswith(str(tmp_path)) and max(out["errs"]) < 2e-5, out
+def test_portable_loops_without_avx512(tmp_path_factory):
+    """The kernel's loops for CPUs without AVX-512 (built with -mno-avx512f, in its own process:
+    keys transposed element by element, plain value loops) give the same attention, in every
+    cache dtype, with a sliding window and a soft-cap."""
+    out = run_portable(PORTABLE_CHECK, tmp_path_factory, "test_native_ragged.py::test_portable_loops_without_avx512")
+    assert {"attention float32", "attention bfloat16", "attention int8 cache",
+            "attention fp8 cache"} <= set(out["status"]["traced"])
+    bad = [(case, err, tol) for case, err, tol in out["checks"] if not err < tol]
+    assert len(out["checks"]) == 9 and not bad, bad

@@ -29,8 +29,10 @@ only where the matmul was built with its AVX-512 tiles (:func:`packs_weights`).
 The library is compiled with the system's C++ compiler the first time it is
 needed, into ``$PAGED_JAX_HOME/native`` (default ``~/.cache/paged_jax/native``),
 keyed by the sources, the compiler flags, jaxlib's version and this CPU; extra flags
-come from ``PAGED_JAX_NATIVE_FLAGS``. The matmul uses AVX-512 where the CPU has it
-and portable loops elsewhere (correct, but slower than XLA's matmul). When no compiler is found or the build fails,
+come from ``PAGED_JAX_NATIVE_FLAGS``. The attention kernel and the matmuls use AVX-512 (the int8
+x int8 one AVX-512 VNNI) where the CPU has it and portable loops elsewhere (the float32 matmul's are
+correct but slower than XLA's matmul); :func:`paths` says which a build compiled in, and
+``status()["traced"]`` which kernels ran. When no compiler is found or the build fails,
 :func:`available` is False, a warning says why, and everything runs in XLA (plain
 weights, jnp decode attention). ``PAGED_JAX_NATIVE=0`` turns the kernels off.
 """
@@ -80,7 +82,15 @@ def _flags() -> list[str]:
 
 
 _lock = threading.Lock()
-_state: dict = {}  # "ok": bool, "error": str, "library": path, "avx512_matmul": bool
+# "ok": bool, "error": str, "library": path, "flags": str, "avx512_matmul", "vnni_matmul", "avx512_attention": bool
+_state: dict = {}
+# The kernels (by the names of KERNELS) this process has put into a computation. Which instruction
+# set each runs is fixed when the library is built (see paths()): together they say what a test run
+# exercised on the CPU it landed on.
+_traced: set = set()
+KERNELS = ("attention float32", "attention bfloat16", "attention int8 cache", "attention fp8 cache", "linear float32",
+           "linear int8", "linear int4", "linear fp8", "linear int8 x int8")
+CPU_ISA = ("avx2", "avx512f", "avx512_vnni")  # the extensions the kernels' paths are chosen by
 
 
 def _cpu_key() -> str:
@@ -90,6 +100,13 @@ def _cpu_key() -> str:
     except OSError:
         flags = ""
     return platform.machine() + flags
+
+
+def cpu_isa() -> list:
+    """Which of :data:`CPU_ISA` this CPU has (by ``/proc/cpuinfo``): a build for it (``-march=native``)
+    compiles the AVX-512 paths only with ``avx512f``, the int8 x int8 one only with ``avx512_vnni`` too."""
+    flags = set(_cpu_key().split())
+    return [f for f in CPU_ISA if f in flags]
 
 
 def _library_path() -> Path:
@@ -143,8 +160,9 @@ def available() -> bool:
                 for target, symbol in (*TARGETS.values(), *QUANTIZED_ATTENTION_TARGETS.values(), LINEAR_TARGET, SUM_TARGET,
                                        *QUANTIZED_TARGETS.values(), INT8_TARGET):
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
-                _state.update(ok=True, library=str(path), avx512_matmul=bool(lib.PagedJaxLinearAvx512()),
-                              vnni_matmul=bool(lib.PagedJaxLinearVnni()))
+                _state.update(ok=True, library=str(path), flags=" ".join(_flags()),
+                              avx512_matmul=bool(lib.PagedJaxLinearAvx512()),
+                              vnni_matmul=bool(lib.PagedJaxLinearVnni()), avx512_attention=bool(lib.PagedJaxAttentionAvx512()))
             except Exception as e:  # no compiler, a failed build, an FFI this jaxlib lacks: run the jnp path
                 _state.update(ok=False, error=str(e))
                 logger.warning("native CPU kernels unavailable, using XLA's (jnp decode attention, XLA "
@@ -153,8 +171,29 @@ def available() -> bool:
 
 
 def status() -> dict:
-    """{"ok": ..., "library" or "error": ...} after :func:`available` was asked."""
-    return dict(_state)
+    """{"ok": ..., "library" or "error": ...} after :func:`available` was asked; once built, also
+    "flags" (the compiler's), "paths" (:func:`paths`), "traced" (the kernels this process has put
+    into a computation, sorted) and "cpu_isa" (:func:`cpu_isa`)."""
+    out = dict(_state)
+    if out.get("ok"):
+        out.update(paths=paths(), traced=sorted(_traced), cpu_isa=cpu_isa())
+    return out
+
+
+def paths() -> dict:
+    """Which code each kernel of the built library runs, compiled in or out by the instruction set
+    it was built for: {"attention", "linear float32", "linear quantized": "avx512" | "portable",
+    "linear int8 x int8": "vnni" | "portable"}; {} before a successful build."""
+    if not _state.get("ok"):
+        return {}
+    avx = {True: "avx512", False: "portable"}
+    return {"attention": avx[_state["avx512_attention"]], "linear float32": avx[_state["avx512_matmul"]],
+            "linear quantized": avx[_state["avx512_matmul"]],
+            "linear int8 x int8": "vnni" if _state["vnni_matmul"] else "portable"}
+
+
+def _trace(kernel: str) -> None:
+    _traced.add(kernel)
 
 
 def _dtype(q, k_cache, v_cache) -> Optional[str]:
@@ -210,6 +249,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
         if k_cache.shape[3] != D + 2 or H % KVH:
             raise ValueError(f"paged_attention over an 8-bit cache needs entries of head_dim + 2 = {D + 2} and kv_heads "
                              f"dividing {H}; got k {k_cache.shape}")
+        _trace("attention int8 cache" if str(k_cache.dtype) == "int8" else "attention fp8 cache")
         out = jax.ffi.ffi_call(quantized[0], jax.ShapeDtypeStruct(q.shape, jnp.float32))(
             q.astype(jnp.float32), k_cache, v_cache, *rows, **attrs)
         return out.astype(q.dtype)
@@ -220,6 +260,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     if dtype is None:
         raise ValueError(f"paged_attention takes {' or '.join(TARGETS)} for q and both caches alike; got "
                          f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    _trace(f"attention {dtype}")
     return jax.ffi.ffi_call(TARGETS[dtype][0], jax.ShapeDtypeStruct(q.shape, q.dtype))(
         q, k_cache, v_cache, *rows, **attrs)
 
@@ -268,6 +309,7 @@ def linear(x, w_panels) -> "jax.Array":
         return x @ unpack_weight(w_panels).astype(x.dtype)
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), K)
+    _trace("linear float32")
     y = jax.ffi.ffi_call(LINEAR_TARGET[0], jax.ShapeDtypeStruct((x2.shape[0], P * W), jnp.float32))(x2, w_panels)
     return y.reshape(*lead, P * W)
 
@@ -353,6 +395,7 @@ def linear_quantized(x, panels, scale_panels, bits: int, zero_panels=None) -> "j
         zero_panels = jnp.zeros((P, 0, W), jnp.float32)
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), K)
+    _trace({"int8": "linear int8", "uint8": "linear int4"}.get(panels.dtype.name, "linear fp8"))
     y = jax.ffi.ffi_call(QUANTIZED_TARGETS[panels.dtype.name][0],
                          jax.ShapeDtypeStruct((x2.shape[0], P * W), jnp.float32))(x2, panels, scale_panels, zero_panels)
     return y.reshape(*lead, P * W)
@@ -399,6 +442,7 @@ def linear_int8(xq, x_scale, panels, sums, scales) -> "jax.Array":
         acc = jax.lax.dot_general(xq, w, (((xq.ndim - 1,), (0,)), ((), ())), preferred_element_type=jnp.int32)
         return acc.astype(jnp.float32) * xs[..., None] * scales.reshape(P * W)
     m = math.prod(lead)
+    _trace("linear int8 x int8")
     y = jax.ffi.ffi_call(INT8_TARGET[0], jax.ShapeDtypeStruct((m, P * W), jnp.float32))(
         xq.reshape(m, K), xs.reshape(m), panels, sums, scales)
     return y.reshape(*lead, P * W)
@@ -455,6 +499,6 @@ def pack_params(params, floats: bool = True):
     return map_weights(pack, params)
 
 
-__all__ = ["available", "status", "paged_attention", "paged_decode", "packs_weights", "panel_width", "pack_weight", "unpack_weight",
-           "pack_padded", "linear", "pack_params", "read_sum", "quantized_packable", "pack_quantized",
-           "linear_quantized"]
+__all__ = ["available", "status", "paths", "cpu_isa", "paged_attention", "paged_decode", "packs_weights", "panel_width",
+           "pack_weight", "unpack_weight", "pack_padded", "linear", "pack_params", "read_sum", "quantized_packable",
+           "pack_quantized", "linear_quantized"]

@@ -558,6 +558,16 @@ ffi::Error ImplFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
 
 }  // namespace
 
+// 1 when the kernel was built with its AVX-512 code (keys transposed in registers, weighted values
+// in AVX-512 registers), 0 for the plain loops: native.status() reports which one a run tests.
+extern "C" int PagedJaxAttentionAvx512() {
+#ifdef __AVX512F__
+  return 1;
+#else
+  return 0;
+#endif
+}
+
 #define PAGED_ATTENTION_BINDING(QT, CT)      \
   ffi::Ffi::Bind()                           \
       .Ctx<ffi::ThreadPool>()                \
