@@ -27,9 +27,25 @@ Variants (static arguments): ``logit_soft_cap`` caps the scaled scores with
 ``cap * tanh(s / cap)``; ``sliding_window`` hides keys more than ``window - 1`` positions
 back, and the loop starts at the first chunk holding a visible key.
 
-On CPU the kernel runs in interpret mode; on GPU it is lowered with the Triton
-backend (``jax.experimental.pallas.triton.CompilerParams``), because in JAX 0.10
-``pallas_call`` without compiler params would pick Mosaic GPU.
+Backend. On CPU the kernel runs in interpret mode; on GPU it is lowered with Pallas' **Triton**
+backend, chosen explicitly by passing ``jax.experimental.pallas.triton.CompilerParams``
+(:func:`triton_params`). ``pallas_call`` picks its GPU lowering from the type of its compiler
+params in JAX 0.10, 0.11 and 0.12. Without them, 0.10 picks Mosaic GPU (its
+``jax_pallas_use_mosaic_gpu`` flag defaults to True, and Mosaic GPU through ``pallas_call`` is
+deprecated there in favour of ``plgpu.kernel``); 0.11 and 0.12 have no such flag and pick Triton.
+The kernels are written for Triton's programming model (one program per grid cell, gathers with
+``ref[indices]``, ``tl.dot`` tiles of at least 16): Mosaic GPU would be a rewrite. JAX 0.11
+deprecates the Triton backend too (a ``DeprecationWarning`` each time a kernel is lowered for a
+GPU) but it still lowers the same way in 0.12.
+
+Matmuls. Both products are ``lax.dot_general`` with explicit contracting dimensions and a float32
+accumulator (:func:`dot_f32`): ``pl.dot`` raises AttributeError from JAX 0.11, while
+``dot_general`` is lowered by the same Triton rule in 0.10, 0.11 and 0.12. That rule maps the
+precision to ``tt.dot``'s ``input_precision``: for float32 operands ``Precision.HIGHEST`` gives
+``ieee`` (full float32 products), and ``DEFAULT`` / ``HIGH`` give ``tf32`` (a 10-bit mantissa,
+errors ~1e-3), as does ``None`` unless ``jax.default_matmul_precision`` says otherwise. So float32 kernels pass ``HIGHEST``
+(:func:`matmul_precision`) and keep float32 accuracy on a GPU; 16-bit operands pass ``None``
+(their own tensor-core products, accumulated in float32).
 """
 
 from __future__ import annotations
@@ -46,6 +62,26 @@ from jax.experimental.pallas import triton as plgpu_triton
 # masked logits, so exp(m - max) is 0 and never NaN (also for rows with no tokens).
 _NEG = -1e30
 _MIN_DOT = 16  # Triton's tl.dot needs every matmul dimension >= 16.
+
+
+def triton_params(num_warps: int, num_stages: int):
+    """The compiler params that select Pallas' Triton backend on a GPU (see the module docstring)."""
+    return plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+
+
+def matmul_precision(dtype):
+    """The kernels' dot precision for operands of ``dtype``: ``HIGHEST`` for float32, so that Triton
+    multiplies in IEEE float32 rather than TF32; ``None`` for 16-bit operands (native products)."""
+    return lax.Precision.HIGHEST if jnp.dtype(dtype) == jnp.float32 else None
+
+
+def dot_f32(a, b, *, b_transposed: bool, precision):
+    """``a [M, K]`` times ``b`` accumulated in float32: ``a @ b.T`` for ``b [N, K]`` when
+    ``b_transposed``, else ``a @ b`` for ``b [K, N]``. The float32 accumulator must be asked for:
+    Triton's rule accumulates float16 operands in float16 otherwise."""
+    contract_b = 1 if b_transposed else 0
+    return lax.dot_general(a, b, (((1,), (contract_b,)), ((), ())), precision=precision,
+                           preferred_element_type=jnp.float32)
 
 
 def _is_pow2(n: int) -> bool:
@@ -130,7 +166,7 @@ def attend_chunk(carry, q, k_ref, v_ref, pages, k_pos, visible, length, scale, p
     chunk, d = k_pos.shape[0], q.shape[1]
     k, k_scales = load_pages(k_ref, pages, chunk, d, q.dtype)
     v, v_scales = load_pages(v_ref, pages, chunk, d, q.dtype)
-    s = pl.dot(q, k, trans_b=True, precision=precision) * scale  # [R, chunk] f32
+    s = dot_f32(q, k, b_transposed=True, precision=precision) * scale  # [R, chunk] f32
     if k_scales is not None:  # an 8-bit cache: each key's scale multiplies its scores
         s = s * k_scales[None, :]
     if logit_soft_cap is not None:
@@ -144,7 +180,7 @@ def attend_chunk(carry, q, k_ref, v_ref, pages, k_pos, visible, length, scale, p
     l_new = alpha * l + p.sum(axis=-1)
     if v_scales is not None:  # ... and each value's scale its weight (l keeps the unscaled sum)
         p = p * jnp.where(in_seq, v_scales, 0.0)[None, :]
-    o_new = alpha[:, None] * o + pl.dot(p.astype(v.dtype), v, precision=precision)
+    o_new = alpha[:, None] * o + dot_f32(p.astype(v.dtype), v, b_transposed=False, precision=precision)
     return o_new, m_new, l_new
 
 
@@ -240,7 +276,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, P * ppp - max_blocks))).reshape(S, P, ppp)
     lens = context_lens.astype(jnp.int32)
     scale_arr = jnp.asarray(scale, jnp.float32).reshape(1)
-    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    precision = matmul_precision(q.dtype)
 
     kernel = functools.partial(_decode_kernel, block_size=block_size, pages_per_chunk=ppc,
                                pages_per_partition=ppp, precision=precision, sliding_window=sliding_window,
@@ -268,7 +304,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
             jax.ShapeDtypeStruct((S, KVH, P, Gp), jnp.float32),
         ],
         interpret=interpret,
-        compiler_params=plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=triton_params(num_warps, num_stages),
         name=f"paged_decode_attention_bs{block_size}_ppc{ppc}_ppp{ppp}",
     )(scale_arr, lens, bt, qg, k_cache, v_cache)
 

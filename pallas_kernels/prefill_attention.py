@@ -27,10 +27,9 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu_triton
 
 from pallas_kernels.paged_attention import (_MIN_DOT, _NEG, _next_pow2, attend_chunk, check_shapes, first_chunk,
-                                            visible_keys)
+                                            matmul_precision, triton_params, visible_keys)
 
 
 def _prefill_kernel(scale_ref, len_ref, qlen_ref, bt_ref, q_ref, k_ref, v_ref, o_ref, *,
@@ -116,7 +115,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, que
     # Pad the tables with the null block so every chunk's page ids are in bounds.
     bt = jnp.pad(block_tables.astype(jnp.int32), ((0, 0), (0, mbp - max_blocks)))
     scale_arr = jnp.asarray(scale, jnp.float32).reshape(1)
-    precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
+    precision = matmul_precision(q.dtype)
 
     kernel = functools.partial(_prefill_kernel, block_size=block_size, pages_per_chunk=ppc, queries_per_tile=bq,
                                heads_per_row=Gp, precision=precision, sliding_window=sliding_window,
@@ -137,7 +136,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, que
         out_specs=pl.BlockSpec((None, None, R, D), lambda s, h, t: (s, h, t, 0)),
         out_shape=jax.ShapeDtypeStruct((S, KVH, n_tiles * R, D), q.dtype),
         interpret=interpret,
-        compiler_params=plgpu_triton.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=triton_params(num_warps, num_stages),
         name=f"paged_prefill_attention_bs{block_size}_ppc{ppc}_bq{bq}_gp{Gp}",
     )(scale_arr, context_lens.astype(jnp.int32), query_lens.astype(jnp.int32), bt, qg, k_cache, v_cache)
 

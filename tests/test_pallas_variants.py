@@ -20,11 +20,13 @@ from tests.test_pallas_kernels import TOL, make_case, run_backend
 
 
 def reference(q, k, v, tables, lens, qlens, scale, window, cap):
-    """q [S, Q, H, D]: the reference in float32 with the variant's hooks."""
+    """q [S, Q, H, D]: the reference in float32 with the variant's hooks, at full float32 matmul
+    precision (on a GPU the default is TF32, ~1e-3: above the float32 tolerance)."""
     f = lambda x: jnp.asarray(x, jnp.float32)
-    return np.asarray(paged_attention_reference(f(q), f(k), f(v), jnp.asarray(tables), jnp.asarray(lens),
-                                                jnp.asarray(qlens), scale, score_mod=soft_cap_mod(cap),
-                                                mask_mod=window_mask_mod(window)))
+    with jax.default_matmul_precision("highest"):
+        return np.asarray(paged_attention_reference(f(q), f(k), f(v), jnp.asarray(tables), jnp.asarray(lens),
+                                                    jnp.asarray(qlens), scale, score_mod=soft_cap_mod(cap),
+                                                    mask_mod=window_mask_mod(window)))
 
 
 @functools.lru_cache(maxsize=None)
