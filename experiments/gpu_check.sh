@@ -30,7 +30,7 @@ mkdir -p "$PAGED_JAX_HOME"
 STEP_OUT="$PAGED_JAX_HOME/step.out"
 # The files holding `gpu`-marked tests (named, not tests/: modules that import the server's packages,
 # which the GPU machine lacks, would stop the collection).
-GPU_TESTS="tests/test_gpu.py tests/test_pallas_kernels.py"
+GPU_TESTS="tests/test_gpu.py"
 : > "$LOG"
 FAILED=0
 
