@@ -153,6 +153,28 @@ def bench(fns, inputs, iters: int, repeats: int) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def copy_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> float:
+    """The device's measured copy bandwidth, bytes read plus written per second (best of ``repeats``):
+    a jitted elementwise op over an array of ``nbytes`` (1 GiB; 64 MiB on a CPU), the ceiling a
+    memory-bound kernel's bandwidth is read against."""
+    if jax.default_backend() == "cpu":
+        nbytes = min(nbytes, 64 << 20)
+    x = jnp.ones((nbytes // 4,), jnp.float32)
+    double = jax.jit(lambda a: a * 2)
+    jax.block_until_ready(double(x))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(double(x))
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes / best
+
+
+def kv_bytes(S: int, L: int, KVH: int, D: int, dtype: str) -> int:
+    """The bytes of K and V one decode call must read (every sequence's context, once)."""
+    return 2 * S * L * KVH * D * jnp.dtype(dtype).itemsize
+
+
 def check_equal(fns, inputs, dtype):
     # At full float32 matmul precision: a GPU's default for float32 XLA matmuls is TF32 (errors ~1e-3),
     # which the float32 tolerance would flag although no variant is wrong. The timings run at the default.
@@ -184,8 +206,13 @@ def main(argv=None) -> int:
     names = list(fns)
     print(f"# decode attention, one layer: {H} heads ({KVH} KV heads) x {D}, block size {a.block_size}, {dtype}, "
           f"{jax.devices()[0].device_kind} ({jax.default_backend()}); median of {a.repeats} x {iters} calls, us")
+    copy_bw = copy_bandwidth()
+    kernel = pairs[-1][0]  # the paged kernel of the platform (Pallas on a GPU, native on a CPU)
+    print(f"# device copy bandwidth (read + written): {copy_bw / 1e9:.1f} GB/s; '{kernel}' reads K/V at the "
+          "GB/s below, and that as a fraction of the copy bandwidth")
     header = "batch context " + " ".join(f"{n:>24s}" for n in names)
     header += " " + " ".join(f"{'ratio ' + pn.split()[1]:>18s}" for pn, _ in pairs)
+    header += f" {'K/V GB/s':>10s} {'of copy':>8s}"
     print(header)
     for S in a.batch:
         for L in a.context:
@@ -194,6 +221,8 @@ def main(argv=None) -> int:
             t = bench(fns, inputs, iters, a.repeats)
             row = f"{S:5d} {L:7d} " + " ".join(f"{t[n]:24.1f}" for n in names)
             row += " " + " ".join(f"{t[pn] / t[cn]:18.2f}" for pn, cn in pairs)
+            bw = kv_bytes(S, L, KVH, D, dtype) / (t[kernel] * 1e-6)
+            row += f" {bw / 1e9:10.1f} {bw / copy_bw:8.1%}"
             print(row, flush=True)
     print("# ratio = paged / contiguous time (the paper: its paged kernel is 1.20-1.26x FasterTransformer's)")
     return 0
