@@ -27,7 +27,7 @@ from paged_jax.models.quantization import _pack_nibbles, _unpack_int32, quantize
 from paged_jax.models.weights import (DenseLinear, PanelInt8Linear, PanelQuantizedLinear, QuantizedLinear,
                                       quantize_per_token)
 from tests.ct_numpy import numpy_dequantized_model, without_activation_quantization
-from tests.hf_models import load_hf, make_ct_model
+from tests.hf_models import ct_dequantized_model, load_hf, make_ct_model
 
 PROMPTS = [[1, 5, 9, 33, 77, 100, 200], [1, 40, 41, 42], [1, 300, 301, 302, 303, 304, 305, 306, 307]]
 QUANTIZED = (QuantizedLinear, PanelQuantizedLinear, PanelInt8Linear)  # the others: packed for the native CPU matmuls
@@ -256,6 +256,18 @@ def test_asymmetric_int4_equals_a_numpy_dequantization(ct_dir):
                if isinstance(v, QuantizedLinear))
     errors = _logprob_errors(numpy_dequantized_model(path)[0], runs)
     assert errors.max() < LOGPROB_TOL, errors.max()
+
+
+@pytest.mark.parametrize("scheme", ["W4A16_ASYM", "W8A16", "FP8_BLOCK_W"])
+def test_the_numpy_oracle_equals_compressed_tensors_own_decompression(ct_dir, scheme):
+    """The numpy dequantization the tests above compare with (tests/ct_numpy.py) is itself checked
+    against the quantizer's library: compressed-tensors' decompressors give the same float weights."""
+    path = ct_dir("llama_gqa", scheme)
+    ours = numpy_dequantized_model(path)[0].state_dict()
+    theirs = ct_dequantized_model(path).state_dict()
+    assert ours.keys() == theirs.keys()
+    for name, value in theirs.items():
+        np.testing.assert_array_equal(ours[name].numpy(), value.numpy(), err_msg=name)
 
 
 def test_w8a8_quantizes_activations_per_token_as_the_checkpoint_says(ct_dir):
