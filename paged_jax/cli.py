@@ -8,6 +8,8 @@ import logging
 import sys
 import time
 
+from paged_jax.policy import POLICIES
+
 # The default model was trained on the Python standard library's source: code prompts suit it.
 DEMO_PROMPTS = [
     "def __init__(self, ", "import os\nimport sys\n", "class ParseError(Exception):\n    \"\"\"",
@@ -32,6 +34,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="split long prompts into chunks beside the running decodes (default; --no-enable-chunked-prefill: a prompt runs whole in one step, the paper's mode)")
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--scheduling-policy", default="fcfs", choices=list(POLICIES),
+                   help="fcfs (vLLM's), or one of the paper's baselines: Orca reserving max_model_len, the prompt "
+                        "plus a power of two or the true output length; FasterTransformer (static batches)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices to split the model over (Megatron-style tensor parallelism)")
@@ -51,7 +56,7 @@ def _llm(a):
                enable_chunked_prefill=a.enable_chunked_prefill, enable_prefix_caching=a.enable_prefix_caching,
                attention_backend=a.attention_backend, seed=a.seed, tensor_parallel_size=a.tensor_parallel_size,
                warm_up=getattr(a, "warm_up", False), quantization=a.quantization,
-               kv_cache_dtype=a.kv_cache_dtype)
+               kv_cache_dtype=a.kv_cache_dtype, scheduling_policy=a.scheduling_policy)
 
 
 def cmd_generate(a) -> int:

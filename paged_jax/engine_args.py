@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from paged_jax.memory.block_manager import BlockManager
+from paged_jax.policy import make_policy
 from paged_jax.scheduler import SchedulerConfig
 
 logger = logging.getLogger("paged_jax")
@@ -44,12 +45,14 @@ class EngineArgs:
     enable_block_sharing: bool = True
     # False: keep the blocks a sliding window has passed (a baseline for measuring what freeing them saves).
     free_blocks_outside_window: bool = True
-    attention_backend: str = "auto"  # a backend name; "auto": "native" on a CPU where it can, else "reference"
+    attention_backend: str = "auto"  # a backend name; "auto": "pallas" on a GPU, "native" on a CPU where they can
     seed: int = 0
     watermark: float = 0.01
     tensor_parallel_size: int = 1  # devices the model is split over (Megatron-style; paged_jax.parallel)
     quantization: Optional[str] = None  # "int8" | "w8a8" | "fp8": the layers' linear weights quantized as they load
     kv_cache_dtype: str = "auto"  # "int8" | "fp8": 8-bit KV cache, a scale per token and head
+    # a name of paged_jax.policy.POLICIES ("fcfs", the paper's baselines) or a SchedulingPolicy object
+    scheduling_policy: Any = "fcfs"
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or not 1 <= self.block_size <= 256:
@@ -72,6 +75,7 @@ class EngineArgs:
 
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
+        make_policy(self.scheduling_policy)  # refuses an unknown name before anything loads
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
@@ -133,7 +137,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     budget = args.max_num_batched_tokens or (default_chunked_budget(args.max_num_seqs) if args.enable_chunked_prefill
                                              else max(max_model_len, 2048))
     scheduler_config = SchedulerConfig(args.max_num_seqs, budget, max_model_len, args.preemption_mode,
-                                       args.enable_chunked_prefill)
+                                       args.enable_chunked_prefill, policy=make_policy(args.scheduling_policy))
     bs = args.block_size
     # No pool needs more than every sequence at full length could use (plus the null block).
     cap = args.max_num_seqs * -(-max_model_len // bs) + 1

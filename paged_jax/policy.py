@@ -27,7 +27,10 @@ first::
         def next_waiting(self, waiting):
             return min(waiting, key=lambda g: g.seqs[0].get_prompt_len())
 
-    SchedulerConfig(policy=ShortestPromptFirst())  # or, on a built engine: engine.scheduler.policy = ...
+    LLM(model, scheduling_policy=ShortestPromptFirst())  # or SchedulerConfig(policy=ShortestPromptFirst())
+
+The built-in ones also go by name (:data:`POLICIES`: ``scheduling_policy="orca-max"``, the
+command line's ``--scheduling-policy``).
 
 Plain Python, no JAX, like the scheduler.
 """
@@ -126,3 +129,24 @@ class FasterTransformer(Orca):
 
     def admission_open(self, running: list[SequenceGroup]) -> bool:
         return not running
+
+
+# The built-in policies by name, for EngineArgs.scheduling_policy and the command line.
+POLICIES = {
+    "fcfs": FCFS,
+    "orca-max": lambda: Orca("max"),
+    "orca-pow2": lambda: Orca("pow2"),
+    "orca-oracle": lambda: Orca("oracle"),
+    "fastertransformer": FasterTransformer,
+}
+
+
+def make_policy(policy) -> SchedulingPolicy:
+    """``policy`` itself when it is a :class:`SchedulingPolicy`, else the built-in one of that name
+    (:data:`POLICIES`); ValueError naming the allowed values otherwise."""
+    if isinstance(policy, SchedulingPolicy):
+        return policy
+    if isinstance(policy, str) and policy in POLICIES:
+        return POLICIES[policy]()
+    raise ValueError(f"scheduling_policy must be one of {list(POLICIES)} or a paged_jax.policy.SchedulingPolicy "
+                     f"object, got {policy!r}")

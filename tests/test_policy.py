@@ -141,3 +141,50 @@ def test_the_scheduler_reads_the_policy_it_holds():
     for rid, n in (("long", 8), ("short", 2)):
         s.add_seq_group(group(rid, n, max_tokens=1))
     assert admitted_order(s) == ["short", "long"]
+
+
+# --- choosing the policy as an engine option -------------------------------------------------------
+
+def test_scheduling_policy_is_an_engine_option_by_name_or_object(tiny_llama_dir):
+    """``LLM(scheduling_policy=...)``: by name, the paper's Orca(Max) baseline admits only as many
+    requests as max_model_len reservations fit in the pool (4 here), where FCFS admits all 8; a
+    policy object of one's own is the one the scheduler holds; every block is free at the end."""
+    from paged_jax import LLM, SamplingParams
+    from paged_jax.policy import Orca
+
+    params = SamplingParams(temperature=0, max_tokens=4)
+    admitted = {}
+    for policy in ("fcfs", "orca-max"):
+        # 32 usable blocks of 4 tokens = 4 reservations of max_model_len 32
+        llm = LLM(str(tiny_llama_dir), max_model_len=32, block_size=4, num_kv_blocks=33, scheduling_policy=policy)
+        engine = llm.llm_engine
+        for i in range(8):
+            engine.add_request(f"r{i}", None, params, prompt_token_ids=[1, 2, 3 + i])
+        engine.step()
+        admitted[policy] = len(engine.scheduler.running)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.block_manager.get_num_free_gpu_blocks() == 32
+    assert admitted == {"fcfs": 8, "orca-max": 4}
+    assert isinstance(engine.scheduler.policy, Orca) and engine.scheduler.policy.mode == "max"
+    own = ShortestPromptFirst()
+    assert LLM(str(tiny_llama_dir), max_model_len=32, scheduling_policy=own).llm_engine.scheduler.policy is own
+
+
+def test_an_unknown_scheduling_policy_is_refused_by_name_before_loading():
+    from paged_jax.engine_args import EngineArgs
+    from paged_jax.policy import POLICIES
+
+    with pytest.raises(ValueError, match=r"scheduling_policy must be one of \['fcfs', 'orca-max'.*got 'lifo'"):
+        EngineArgs(model="/nonexistent", scheduling_policy="lifo")
+    assert set(POLICIES) == {"fcfs", "orca-max", "orca-pow2", "orca-oracle", "fastertransformer"}
+
+
+def test_the_command_line_takes_the_scheduling_policy():
+    from paged_jax.cli import build_parser
+
+    a = build_parser().parse_args(["generate", "--scheduling-policy", "fastertransformer"])
+    assert a.scheduling_policy == "fastertransformer"
+    assert build_parser().parse_args(["serve"]).scheduling_policy == "fcfs"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["generate", "--scheduling-policy", "lifo"])
