@@ -41,9 +41,10 @@ class PallasBackend:
         self.interpret = interpret
         self.name = "pallas-interpret" if interpret else "pallas"
 
+    spec_fields = frozenset({"sliding_window", "logit_soft_cap"})  # arguments of both kernels
+    dtypes = DTYPES
+
     def check(self, spec, dtype: str) -> None:
-        if str(dtype) not in DTYPES:
-            raise ValueError(f"attention_backend={self.name!r} takes dtype {' / '.join(DTYPES)}, got {dtype!r}")
         if not self.interpret and jax.default_backend() != "gpu":
             raise ValueError(f"attention_backend='pallas' runs compiled Triton kernels and needs a CUDA GPU, but "
                              f"JAX's default backend is {jax.default_backend()!r}; use 'pallas-interpret' to run "

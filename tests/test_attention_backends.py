@@ -6,6 +6,7 @@ a sliding window and a soft-cap runs them in every backend (reference, Pallas an
 from __future__ import annotations
 
 import dataclasses
+from typing import Optional
 
 import numpy as np
 import pytest
@@ -60,6 +61,55 @@ def test_auto_on_a_platform_without_kernels_is_the_reference(monkeypatch):
 
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     assert select_backend("auto", [PLAIN], "float32") is REFERENCE
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecWithSinks(AttentionSpec):
+    """A field no backend declares yet (as attention sinks would be, before a kernel honours them)."""
+
+    sink_logit: Optional[float] = None
+
+
+class UndeclaredBackend:
+    """A user's backend that declares nothing: it honours the scale alone."""
+
+    name = "test-undeclared"
+
+    def check(self, spec, dtype):
+        pass
+
+    def decode(self, q, k_cache, v_cache, meta, spec):
+        raise NotImplementedError
+
+    def prefill(self, q, k_cache, v_cache, meta, spec):
+        raise NotImplementedError
+
+
+def test_a_spec_field_a_backend_has_not_declared_is_refused_by_name(monkeypatch):
+    """Selection reads each backend's declarations: a non-default field it has not declared is
+    refused with the field named, whatever its check says; "auto" falls back to the reference
+    only where the reference declares the field, and raises where no backend does."""
+    from paged_jax.attention import backends
+    from paged_jax.attention.spec import non_default_fields
+
+    assert non_default_fields(PLAIN) == () and non_default_fields(WINDOWED) == ("sliding_window", "logit_soft_cap")
+    sinks = SpecWithSinks(0.25, sink_logit=1.5)
+    assert non_default_fields(sinks) == ("sink_logit",)
+    for name in ("native", "pallas-interpret", "reference"):
+        with pytest.raises(ValueError, match=f"attention_backend='{name}' does not honour the model's attention "
+                                             "sink_logit=1.5"):
+            select_backend(name, [PLAIN, sinks], "float32")
+    with pytest.raises(ValueError, match="sink_logit=1.5"):
+        select_backend("auto", [sinks], "float32")
+    assert select_backend("auto", [SpecWithSinks(0.25)], "float32") in (NATIVE, REFERENCE)  # default: no change
+
+    monkeypatch.setitem(backends._BACKENDS, UndeclaredBackend.name, UndeclaredBackend())
+    assert select_backend("test-undeclared", [PLAIN], "float16").name == "test-undeclared"
+    with pytest.raises(ValueError, match=r"'test-undeclared' does not honour the model's attention sliding_window=6 "
+                                         r"\(it declares no field beyond the scale\)"):
+        select_backend("test-undeclared", [WINDOWED], "float32")
+    with pytest.raises(ValueError, match="'native' takes caches of dtype float32 / bfloat16 / int8 / fp8, got 'float16'"):
+        select_backend("native", [PLAIN], "float16")
 
 
 def test_a_windowed_soft_capped_model_pallas_and_native_match_reference(tiny_llama_dir):

@@ -294,7 +294,7 @@ def test_backends_are_registered_and_pallas_needs_a_gpu():
             select_backend("pallas", [AttentionSpec(0.1)], "bfloat16")
     with pytest.raises(ValueError, match="must be 'auto' or one of .*'pallas-interpret'.*got 'palas'"):
         get_backend("palas")
-    with pytest.raises(ValueError, match="'pallas-interpret' takes dtype float32 / bfloat16 / float16 / int8 / fp8, "
+    with pytest.raises(ValueError, match="'pallas-interpret' takes caches of dtype float32 / bfloat16 / float16 / int8 / fp8, "
                                          "got 'float64'"):
         select_backend("pallas-interpret", [AttentionSpec(0.1)], "float64")
 

@@ -1,11 +1,18 @@
 """Attention backends as objects, registered by name, and the built-in ones.
 
-A backend has a ``name`` and three methods:
+A backend has a ``name``, declares what it honours:
+
+- ``spec_fields``: the :class:`AttentionSpec` fields beyond the scale it honours (absent: none).
+  :func:`select_backend` refuses, naming the field, a layer whose spec sets a field the backend
+  has not declared (:func:`non_default_fields`);
+- ``dtypes``: the cache dtypes it takes (absent: any its ``check`` accepts);
+
+and has three methods:
 
 - ``check(spec, dtype)``: raise ValueError, naming the backend and what it cannot do, when
-  it cannot honour ``spec`` (an :class:`AttentionSpec`) for caches of ``dtype`` on this
-  machine. The engine calls it for every layer's spec before anything is compiled, so a
-  backend never meets a spec it refused.
+  it cannot run on this machine (its platform, a library it needs). The engine calls it for
+  every layer's spec, after the declarations, before anything is compiled, so a backend never
+  meets a spec it refused.
 - ``decode(q, k_cache, v_cache, meta, spec)``: q ``[S, H, D]``, the newest token of each
   sequence (at position ``context_lens[s] - 1``) -> ``[S, H, D]``.
 - ``prefill(q, k_cache, v_cache, meta, spec)``: q ``[S, Q, H, D]``, query ``i`` of sequence
@@ -39,7 +46,7 @@ import jax.numpy as jnp
 from paged_jax.attention.decode import paged_decode_attention
 from paged_jax.attention.prefill import blockwise_prefill_attention
 from paged_jax.attention.reference import MaskMod, ScoreMod, paged_attention_reference
-from paged_jax.attention.spec import AttentionSpec
+from paged_jax.attention.spec import ALL_FIELDS, AttentionSpec, non_default_fields
 
 AUTO = "auto"  # the engine's default: "pallas" on a GPU, "native" on a CPU, where they honour the model, else "reference"
 # What "auto" tries first, by JAX's default backend: the platform's fast kernels.
@@ -81,19 +88,38 @@ def select_backend(name: str, specs: Iterable[AttentionSpec], dtype: str):
     if name == AUTO:
         platform = jax.default_backend()
         preferred = AUTO_PREFERENCE.get(platform)
-        if preferred is None:
-            return REFERENCE
-        try:
-            backend = select_backend(preferred, specs, dtype)
-        except ValueError as e:
-            logger.info("attention_backend='auto' on %s: %s; running 'reference'", platform, e)
-            return REFERENCE
-        logger.info("attention_backend='auto' on %s: running %r", platform, backend.name)
-        return backend
-    backend = get_backend(name)
+        if preferred is not None:
+            try:
+                backend = _checked(get_backend(preferred), specs, dtype)
+                logger.info("attention_backend='auto' on %s: running %r", platform, backend.name)
+                return backend
+            except ValueError as e:
+                logger.info("attention_backend='auto' on %s: %s; running 'reference'", platform, e)
+        return _checked(REFERENCE, specs, dtype)
+    return _checked(get_backend(name), specs, dtype)
+
+
+def _checked(backend, specs, dtype: str):
+    """``backend``, once it passed its declarations and its ``check`` for every spec (else ValueError)."""
     for spec in specs:
+        check_declared(backend, spec, dtype)
         backend.check(spec, dtype)
     return backend
+
+
+def check_declared(backend, spec: AttentionSpec, dtype: str) -> None:
+    """ValueError, naming the field or dtype, when ``spec`` or ``dtype`` is beyond what ``backend``
+    declares (``spec_fields``, ``dtypes``)."""
+    honoured = frozenset(getattr(backend, "spec_fields", ()))
+    for field in non_default_fields(spec):
+        if field not in honoured:
+            raise ValueError(f"attention_backend={backend.name!r} does not honour the model's attention "
+                             f"{field}={getattr(spec, field)!r} (it declares {sorted(honoured) or 'no field'} "
+                             "beyond the scale); use 'reference', which honours every field")
+    dtypes = getattr(backend, "dtypes", None)
+    if dtypes is not None and str(dtype) not in dtypes:
+        raise ValueError(f"attention_backend={backend.name!r} takes caches of dtype {' / '.join(dtypes)}, "
+                         f"got {dtype!r}")
 
 
 def soft_cap_mod(cap: Optional[float]) -> Optional[ScoreMod]:
@@ -129,12 +155,14 @@ class ReferenceBackend:
     is the reference itself). A decode step without hooks runs :func:`paged_decode_attention`:
     plain jnp, the same function in the head-major layout XLA's CPU backend runs fastest."""
 
+    spec_fields = ALL_FIELDS  # every field (its hooks), in every dtype
+
     def __init__(self, name: str = "reference", score_mod: Optional[ScoreMod] = None,
                  mask_mod: Optional[MaskMod] = None):
         self.name, self.score_mod, self.mask_mod = name, score_mod, mask_mod
 
     def check(self, spec: AttentionSpec, dtype: str) -> None:
-        pass  # honours every field, in every dtype
+        pass  # any platform
 
     def _hooks(self, spec: AttentionSpec):
         return dict(score_mod=_chain_scores(soft_cap_mod(spec.logit_soft_cap), self.score_mod),
@@ -177,15 +205,14 @@ class NativeBackend:
     kernel builds; the spec's sliding window and soft-cap are the kernel's arguments."""
 
     name = "native"
-    DTYPES = ("float32", "bfloat16", "int8", "fp8")
+    spec_fields = frozenset({"sliding_window", "logit_soft_cap"})  # kernel arguments
+    dtypes = ("float32", "bfloat16", "int8", "fp8")
 
     def check(self, spec: AttentionSpec, dtype: str) -> None:
         from paged_jax import native
 
         why = None
-        if str(dtype) not in self.DTYPES:
-            why = f"it takes caches of dtype {', '.join(self.DTYPES)}, got {dtype!r}"
-        elif jax.default_backend() != "cpu":
+        if jax.default_backend() != "cpu":
             why = f"it runs on a CPU, and JAX's default backend is {jax.default_backend()!r}"
         elif not native.available():
             why = f"the native library is not available here ({native.status().get('error', 'PAGED_JAX_NATIVE=0')})"
