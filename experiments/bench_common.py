@@ -45,7 +45,9 @@ def gpt2_124m_model(path: Optional[str] = None) -> str:
     vocabulary 50257), built once into ``path`` (default: the paged-jax cache)."""
     from paged_jax.models.tiny import make_tiny_model
 
-    root = Path(os.environ.get("PAGED_JAX_HOME", Path.home() / ".cache" / "paged_jax"))
+    from paged_jax import envs
+
+    root = envs.home()
     out = Path(path) if path else root / "models" / "gpt2-124m-shaped"
     if not (out / "model.safetensors").is_file():
         import json

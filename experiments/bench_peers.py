@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import tempfile
 import time
 from pathlib import Path
@@ -55,9 +54,10 @@ def main(argv=None):
     ap.add_argument("--hf-sequential-prompts", type=int, default=8)
     ap.add_argument("--model", default=None, help="model folder (default: the GPT-2-shaped one, made here)")
     a = ap.parse_args(argv)
-    cache = Path(os.environ.get("PAGED_JAX_COMPILE_CACHE",
-                                Path.home() / ".cache" / "paged_jax" / "jax_cache"))
-    cached = sum(1 for _ in cache.glob("*")) if cache.is_dir() else 0
+    from paged_jax import envs
+
+    cache = envs.compile_cache_dir()
+    cached = sum(1 for _ in cache.glob("*")) if cache is not None and cache.is_dir() else 0
     with tempfile.TemporaryDirectory() as tmp:
         model = a.model or str(make_tiny_model(tmp, family="gpt2", vocab_size=1024, n_embd=512, n_layer=8,
                                                n_head=8, n_positions=512))

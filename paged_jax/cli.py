@@ -8,6 +8,7 @@ import logging
 import sys
 import time
 
+from paged_jax import envs
 from paged_jax.policy import POLICIES
 
 # The default model was trained on the Python standard library's source: code prompts suit it.
@@ -91,7 +92,7 @@ def cmd_serve(a) -> int:
     body_limit = DEFAULT_MAX_REQUEST_BODY_BYTES if a.max_request_body_bytes is None else a.max_request_body_bytes
     # Non-zero when the engine died (a failed device step): a supervisor should restart the server.
     return run_server(_llm(a).llm_engine, host=a.host, port=a.port,
-                      api_key=a.api_key or os.environ.get("PAGED_JAX_API_KEY"),
+                      api_key=a.api_key or envs.api_key(),
                       served_model_name=a.served_model_name, chat_template=template, log_level=a.log_level,
                       access_log=not a.disable_uvicorn_access_log, max_request_body_bytes=body_limit)
 

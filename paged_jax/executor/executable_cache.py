@@ -56,6 +56,8 @@ import jax
 import jaxlib
 from jax.experimental import serialize_executable
 
+from paged_jax import envs
+
 logger = logging.getLogger("paged_jax")
 
 FORMAT = 1  # bump when the entry layout changes
@@ -81,16 +83,12 @@ jax.monitoring.register_event_listener(_count_hits)
 
 def cache_dir() -> Optional[Path]:
     """The directory of entries, or None when switched off (see the module's docstring)."""
-    if os.environ.get("PAGED_JAX_NO_COMPILE_CACHE") or os.environ.get("PAGED_JAX_NO_EXECUTABLE_CACHE"):
-        return None
-    root = os.environ.get("PAGED_JAX_COMPILE_CACHE",
-                          os.path.join(os.path.expanduser("~"), ".cache", "paged_jax", "jax_cache"))
-    return Path(root) / "executables"
+    return envs.executable_cache_dir()
 
 
 def max_bytes() -> int:
     """The folder's size bound: ``PAGED_JAX_EXECUTABLE_CACHE_MAX_MB`` megabytes, default 2048."""
-    value = os.environ.get("PAGED_JAX_EXECUTABLE_CACHE_MAX_MB", "")
+    value = envs.executable_cache_max_mb()
     try:
         mb = float(value) if value.strip() else DEFAULT_MAX_MB
     except ValueError:

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from paged_jax import envs
 from paged_jax.attention import AUTO, kv_quant, select_backend
 from paged_jax.executor import executable_cache
 from paged_jax.executor.batch import Batch, SeqChunk, bucket, prepare_batch, split_steps, warmup_shapes
@@ -34,10 +35,10 @@ logger = logging.getLogger("paged_jax")
 
 def enable_compilation_cache(path: Optional[str] = None) -> None:
     """JAX's persistent compilation cache: a second start of the same model skips compiling."""
-    if os.environ.get("PAGED_JAX_NO_COMPILE_CACHE"):
+    default = envs.compile_cache_dir()
+    if default is None:
         return
-    path = path or os.environ.get("PAGED_JAX_COMPILE_CACHE",
-                                  os.path.join(os.path.expanduser("~"), ".cache", "paged_jax", "jax_cache"))
+    path = str(path or default)
     try:
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

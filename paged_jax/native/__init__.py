@@ -55,6 +55,8 @@ from typing import Optional
 
 import numpy as np
 
+from paged_jax import envs  # a leaf module: native imports nothing else of paged_jax from here
+
 logger = logging.getLogger("paged_jax")
 
 SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.cc", "linear.cc", "linear_int8.cc")]
@@ -78,7 +80,7 @@ FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPI
 
 def _flags() -> list[str]:
     """FLAGS, then any from ``PAGED_JAX_NATIVE_FLAGS`` (e.g. ``-mno-avx512f`` for the portable loops)."""
-    return [*FLAGS, *shlex.split(os.environ.get("PAGED_JAX_NATIVE_FLAGS", ""))]
+    return [*FLAGS, *envs.native_flags()]
 
 
 _lock = threading.Lock()
@@ -117,8 +119,7 @@ def _library_path() -> Path:
         h.update(path.read_bytes())
     for part in (" ".join(_flags()), jaxlib.__version__, _cpu_key()):
         h.update(part.encode())
-    root = Path(os.environ.get("PAGED_JAX_HOME", Path.home() / ".cache" / "paged_jax"))
-    return root / "native" / f"paged_jax_native-{h.hexdigest()[:16]}.so"
+    return envs.home() / "native" / f"paged_jax_native-{h.hexdigest()[:16]}.so"
 
 
 def _build(out: Path) -> None:
@@ -146,7 +147,7 @@ def _build(out: Path) -> None:
 
 def available() -> bool:
     """Build (once per machine) and register the kernels; False, with a warning, if that fails."""
-    if os.environ.get("PAGED_JAX_NATIVE", "1") == "0":
+    if not envs.native_enabled():
         return False
     with _lock:
         if "ok" not in _state:
