@@ -48,3 +48,22 @@ def test_the_modules_follow_the_variables(monkeypatch, tmp_path):
     assert not native.available()
     monkeypatch.setenv("PAGED_JAX_NATIVE_FLAGS", "-mno-avx512f -O2")
     assert native._flags()[-2:] == ["-mno-avx512f", "-O2"]
+
+
+def test_importing_the_engine_changes_no_jax_setting_and_registers_no_listener():
+    """JAX's settings and listeners change when an engine is built (and its log says so), never on import."""
+    import subprocess
+    import sys
+
+    code = """
+import jax, jax._src.monitoring as m
+before = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs,
+          len(m._event_listeners))
+import paged_jax.engine, paged_jax.llm, paged_jax.executor.model_runner, paged_jax.executor.executable_cache as ec
+after = (jax.config.jax_compilation_cache_dir, jax.config.jax_persistent_cache_min_compile_time_secs,
+         len(m._event_listeners))
+assert before == after and not ec._counting_hits, (before, after)
+print("ok")
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert proc.returncode == 0 and proc.stdout.strip() == "ok", proc.stderr[-2000:]

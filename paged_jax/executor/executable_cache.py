@@ -70,6 +70,7 @@ ROOT = Path(__file__).resolve().parents[2]  # the checkout: paged_jax/ and palla
 # for it, so that none is ever made under that key either (see ``_fresh_compile``).
 FRESH_COMPILE = {"xla_dump_large_constants": True}
 _persistent_cache_hits = 0  # in this process: a compile during which one happened is not stored
+_counting_hits = False
 
 
 def _count_hits(event: str, **_) -> None:
@@ -78,7 +79,14 @@ def _count_hits(event: str, **_) -> None:
         _persistent_cache_hits += 1
 
 
-jax.monitoring.register_event_listener(_count_hits)
+def _start_counting_hits() -> None:
+    """Listen to JAX's persistent-cache hits from now on: once per process, when the first engine
+    builds its executable cache (importing this module registers nothing)."""
+    global _counting_hits
+    if not _counting_hits:
+        jax.monitoring.register_event_listener(_count_hits)
+        _counting_hits = True
+        logger.info("counting JAX's persistent compilation cache hits (a listener on jax.monitoring)")
 
 
 def cache_dir() -> Optional[Path]:
@@ -284,6 +292,7 @@ def for_runner(config, backend, params, kv_caches, mesh=None) -> Optional[Execut
     directory = cache_dir()
     if directory is None or mesh is not None or not _builtin(backend):
         return None
+    _start_counting_hits()
     return ExecutableCache(directory, runner_key(config, backend.name, params, kv_caches), max_bytes())
 
 

@@ -43,6 +43,7 @@ def enable_compilation_cache(path: Optional[str] = None) -> None:
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
         jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        logger.info("JAX's persistent compilation cache (jax.config, for the whole process): %s", path)
     except Exception as e:  # an old or new JAX without these options: run without the cache
         logger.info("persistent compilation cache unavailable: %s", e)
 
