@@ -109,7 +109,7 @@ def variants(on_gpu: bool, scale: float, dtype: str):
         from pallas_kernels.backend import PALLAS
 
         def pallas_paged(q, k_pool, v_pool, tables, lens):
-            meta = AttentionMetadata(slot_mapping=None, token_seq=None, token_qidx=None, block_tables=tables,
+            meta = AttentionMetadata(slot_mapping=None, token_seq=None, block_tables=tables,
                                      context_lens=lens, query_lens=jnp.ones_like(lens))
             return PALLAS.decode(q, k_pool, v_pool, meta, AttentionSpec(scale))
 

@@ -50,7 +50,7 @@ def _meta(tables, context_lens, query_lens, slot_mapping):
     return AttentionMetadata(block_tables=jnp.asarray(tables, jnp.int32),
                              context_lens=jnp.asarray(context_lens, jnp.int32),
                              query_lens=jnp.asarray(query_lens, jnp.int32),
-                             slot_mapping=jnp.asarray(slot_mapping, jnp.int32), token_seq=None, token_qidx=None)
+                             slot_mapping=jnp.asarray(slot_mapping, jnp.int32), token_seq=None)
 
 
 def _numpy_dequantize(cache, d: int, kind: str) -> np.ndarray:

@@ -124,7 +124,7 @@ def test_mismatched_shapes_are_refused_with_the_shapes():
 
 def _decode(backend, q, k, v, tables, lens, scale):
     """``backend.decode`` for a batch of one new token per sequence."""
-    meta = AttentionMetadata(slot_mapping=None, token_seq=None, token_qidx=None, block_tables=tables,
+    meta = AttentionMetadata(slot_mapping=None, token_seq=None, block_tables=tables,
                              context_lens=lens, query_lens=jnp.ones_like(lens))
     return backend.decode(q, k, v, meta, AttentionSpec(scale))
 

@@ -74,7 +74,7 @@ def test_soft_cap_matches_numpy(cap):
 
 
 def run_prefill(backend, spec, q, k, v, tables, lens, qlens):
-    meta = AttentionMetadata(slot_mapping=None, token_seq=None, token_qidx=None, block_tables=jnp.asarray(tables),
+    meta = AttentionMetadata(slot_mapping=None, token_seq=None, block_tables=jnp.asarray(tables),
                              context_lens=jnp.asarray(lens), query_lens=jnp.asarray(qlens))
     return np.asarray(backend.prefill(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), meta, spec))
 
@@ -93,7 +93,7 @@ def test_reference_backend_honours_the_spec_and_variant_backends_add_hooks(windo
         for s, n in enumerate(qlens):
             np.testing.assert_allclose(out[s, :n], want[s, :n], atol=1e-5, err_msg=how)
     # Decode (each sequence's last query) takes the same variants.
-    meta = AttentionMetadata(slot_mapping=None, token_seq=None, token_qidx=None, block_tables=jnp.asarray(tables),
+    meta = AttentionMetadata(slot_mapping=None, token_seq=None, block_tables=jnp.asarray(tables),
                              context_lens=jnp.asarray(lens), query_lens=jnp.ones(3, jnp.int32))
     last = np.stack([q[s, n - 1] for s, n in enumerate(qlens)])
     dec = np.asarray(get_backend("reference").decode(jnp.asarray(last), jnp.asarray(k), jnp.asarray(v), meta,

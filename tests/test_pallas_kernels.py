@@ -274,7 +274,7 @@ def test_prefill_rejects_bad_shapes():
 
 def attention_meta(tables, lens, qlens):
     """The step metadata a backend reads (block tables and lengths; the token maps are the layer's)."""
-    return AttentionMetadata(slot_mapping=None, token_seq=None, token_qidx=None, block_tables=jnp.asarray(tables),
+    return AttentionMetadata(slot_mapping=None, token_seq=None, block_tables=jnp.asarray(tables),
                              context_lens=jnp.asarray(lens), query_lens=jnp.asarray(qlens))
 
 

@@ -65,7 +65,7 @@ def test_reference_backend_prefill_matches_numpy_and_dense(window, cap):
     """The backend's prefill (the engine's CPU path) against the loop-per-query numpy oracle and dense_prefill."""
     q, k, v, tables, lens, qlens = random_case(2)
     spec = AttentionSpec(0.3, window, cap)
-    meta = AttentionMetadata(slot_mapping=None, token_seq=None, token_qidx=None, block_tables=jnp.asarray(tables),
+    meta = AttentionMetadata(slot_mapping=None, token_seq=None, block_tables=jnp.asarray(tables),
                              context_lens=jnp.asarray(lens), query_lens=jnp.asarray(qlens))
     args = (jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), meta, spec)
     want = numpy_attention(q, k, v, tables, lens, qlens, 0.3, window=window, cap=cap)
@@ -126,7 +126,7 @@ def _prefill_temp_bytes(backend_prefill, n: int, H=4, KVH=2, D=16, bs=16) -> int
     i32 = lambda *shape: jax.ShapeDtypeStruct(shape, jnp.int32)
 
     def f(q, k, v, tables, lens):
-        meta = AttentionMetadata(slot_mapping=None, token_seq=None, token_qidx=None, block_tables=tables,
+        meta = AttentionMetadata(slot_mapping=None, token_seq=None, block_tables=tables,
                                  context_lens=lens, query_lens=lens)
         return backend_prefill(q, k, v, meta, AttentionSpec(0.25))
 

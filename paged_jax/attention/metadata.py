@@ -59,7 +59,6 @@ class AttentionMetadata:
     # Per token [T]
     slot_mapping: jax.Array = array_field("T")  # block * block_size + offset of the token's K/V (null block: padding)
     token_seq: jax.Array = array_field("T")  # row of the token's sequence in block_tables (S for padding: dropped)
-    token_qidx: jax.Array = array_field("T")  # index of the token among its sequence's new tokens
     token_tile: jax.Array = step_field("T")  # the token's query tile (N: none, a decode's token or padding)
     token_tile_pos: jax.Array = step_field("T")  # the token's index in its tile
     # Per sequence [S]

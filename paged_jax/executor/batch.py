@@ -135,7 +135,6 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, min_tokens: int = 8, 
     rope_lengths = np.zeros(Tp, np.int32)
     slot_mapping = np.full(Tp, NULL_BLOCK * block_size, np.int32)
     token_seq = np.full(Tp, Sp, np.int32)  # out of range: padding is dropped
-    token_qidx = np.zeros(Tp, np.int32)
     token_tile = np.full(Tp, Np, np.int32)  # out of range: not in a tile
     token_tile_pos = np.zeros(Tp, np.int32)
     block_tables = np.full((Sp, Bp), NULL_BLOCK, np.int32)
@@ -160,7 +159,6 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, min_tokens: int = 8, 
         rope_lengths[t:t + n] = np.maximum(end if c.prompt_len is None else c.prompt_len, pos + 1)
         slot_mapping[t:t + n] = table[pos // block_size] * block_size + pos % block_size
         token_seq[t:t + n] = s
-        token_qidx[t:t + n] = np.arange(n)
         block_tables[s, :len(table)] = table
         context_lens[s] = end
         query_lens[s] = n
@@ -175,7 +173,7 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, min_tokens: int = 8, 
             tile += 1
         t += n
     return Batch(input_ids=input_ids, positions=positions, rope_lengths=rope_lengths, slot_mapping=slot_mapping,
-                 token_seq=token_seq, token_qidx=token_qidx, token_tile=token_tile, token_tile_pos=token_tile_pos,
+                 token_seq=token_seq, token_tile=token_tile, token_tile_pos=token_tile_pos,
                  block_tables=block_tables, context_lens=context_lens, query_lens=query_lens, last_token=last_token,
                  tile_seq=tile_seq, tile_context_lens=tile_context_lens, tile_query_lens=tile_query_lens,
                  tile_size=tile_size)
