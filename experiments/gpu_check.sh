@@ -94,6 +94,8 @@ else
   step engine-cpu 180 "$PY" experiments/gpu_engine_check.py --backends auto --dtypes float32 \
        --num-prompts 4 --max-tokens 8
   skipped throughput
+  step throughput-cpu 120 "$PY" experiments/bench_throughput.py --model paged_jax/models/data/default-model \
+       --dataset sharegpt-like --num-prompts 4 --max-num-seqs 4 --max-total-len 64 --dtype bfloat16
 fi
 
 [ "$FAILED" = 0 ] && RESULT="all steps passed" || RESULT="FAILED: see the steps above"

@@ -43,7 +43,7 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     assert len(files) <= 8 and (out / "gpu_report.md") in files, files
     for name in GPU_STEPS:
         assert f"## {name}: skipped: no GPU" in report
-    for name in ["versions", "gpu-tests-collect", "bench-kernel-cpu", "engine-cpu"]:
+    for name in ["versions", "gpu-tests-collect", "bench-kernel-cpu", "engine-cpu", "throughput-cpu"]:
         assert f"## {name} (exit 0, " in report
     assert "greedy equal to reference float32: 4/4 requests" in report
     assert report.rstrip().splitlines()[-1].startswith("**all steps passed**")
