@@ -80,7 +80,8 @@ def test_beam_search_matches_hf(case):
     assert_all_free(llm)
 
 
-@pytest.mark.parametrize("mode", ["swap", "recompute"])
+# swap: 14 s a family on 2 cores, in -m slow (recompute, and swap of parallel samples, stay in the default run)
+@pytest.mark.parametrize("mode", [pytest.param("swap", marks=pytest.mark.slow), "recompute"])
 def test_beam_search_under_preemption_matches_hf(case, mode):
     path, hf, prompts, eos_ids = case
     want = _expected(hf, prompts, eos_ids)

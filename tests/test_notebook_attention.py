@@ -156,6 +156,7 @@ def test_user_backend_runs_in_the_engine(tiny_llama_dir):
     assert toks["test-uniform"] != toks["reference"]
 
 
+@pytest.mark.slow  # 20 s; the variants it shows are checked one by one in the tests above
 def test_notebook_runs_and_checks_its_variants():
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
