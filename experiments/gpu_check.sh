@@ -48,9 +48,9 @@ step() {
   [ "$limit" -gt "$left" ] && limit=$left
   local t0=$SECONDS rc
   echo "== $name (limit $limit s): $*" | tee -a "$LOG"
-  timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$LOG" > "$STEP_OUT"
+  : > "$STEP_OUT"
+  timeout -k 10 "$limit" "$@" 2>&1 | tee -a "$LOG" "$STEP_OUT"  # printed, and kept, as it comes
   rc=${PIPESTATUS[0]}
-  cat "$STEP_OUT"
   local verdict="exit $rc"
   [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && verdict="exit $rc: out of time after $limit s"
   { printf '## %s (%s, %s s)\n\n`%s`\n\n```\n' "$name" "$verdict" "$((SECONDS - t0))" "$*"
