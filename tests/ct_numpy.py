@@ -99,7 +99,8 @@ def numpy_dequantized_model(path):
     dequantized by :func:`dequantize` and its quantized layers' inputs through
     :func:`quantize_per_token` where the checkpoint quantizes activations."""
     import torch
-    import transformers
+
+    from tests.hf_models import float_model
 
     path = Path(path)
     qc = json.loads((path / "config.json").read_text())["quantization_config"]
@@ -115,18 +116,13 @@ def numpy_dequantized_model(path):
             floats[name] = torch.from_numpy(value.astype(np.float32))
     for module, stored in modules.items():
         floats[module + ".weight"] = torch.from_numpy(dequantize(stored, group["weights"]))
-    config = transformers.AutoConfig.from_pretrained(path)
-    del config.quantization_config
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    missing, unexpected = model.load_state_dict(floats, strict=False)
-    assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
-    model.tie_weights()
+    model = float_model(path, floats)
     acts = group.get("input_activations")
     if acts:
         for name, m in model.named_modules():
             if name in modules:
                 m.register_forward_pre_hook(lambda mod, inputs: (quantize_per_token(inputs[0], acts),))
-    return model.eval(), sorted(modules)
+    return model, sorted(modules)
 
 
 def without_activation_quantization(path, out) -> Path:

@@ -217,12 +217,10 @@ def quantize_ct(src: Path, scheme: str, out: Path, ignore=("lm_head",), **weight
 
 def ct_dequantized_model(path):
     """The float model compressed-tensors' own decompressors make of a quantized folder (weights
-    dequantized; activations not quantized): the oracle where transformers cannot load the folder."""
+    dequantized; activations not quantized): what the numpy oracle (tests/ct_numpy.py) is checked against."""
     import json
     from collections import defaultdict
 
-    import torch
-    import transformers
     from compressed_tensors.compressors.base import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig
     from safetensors.torch import load_file
@@ -241,9 +239,18 @@ def ct_dequantized_model(path):
     decompressor = BaseCompressor.load_from_registry(scheme.format or qc.format)
     for module, tensors in modules.items():
         floats[module + ".weight"] = decompressor.decompress(tensors, scheme)["weight"].float()
+    return float_model(path, floats)
+
+
+def float_model(path, floats):
+    """The transformers float32 model of the quantized folder ``path`` holding the float tensors
+    ``floats`` (name -> torch tensor; a tied LM head may be missing)."""
+    import torch
+    import transformers
+
     config = transformers.AutoConfig.from_pretrained(path)
     del config.quantization_config
-    model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     missing, unexpected = model.load_state_dict(floats, strict=False)
     assert not unexpected and all("lm_head" in m for m in missing), (missing, unexpected)
     model.tie_weights()
