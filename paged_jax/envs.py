@@ -32,8 +32,13 @@ def _get(name: str) -> str:
     return os.environ.get(name, "")
 
 
+def _user_cache() -> Path:
+    """The default root of both homes below (the compilation cache stays there when PAGED_JAX_HOME moves)."""
+    return Path.home() / ".cache" / "paged_jax"
+
+
 def home() -> Path:
-    return Path(_get("PAGED_JAX_HOME") or Path.home() / ".cache" / "paged_jax")
+    return Path(_get("PAGED_JAX_HOME") or _user_cache())
 
 
 def native_enabled() -> bool:
@@ -48,7 +53,7 @@ def compile_cache_dir() -> Optional[Path]:
     """JAX's persistent compilation cache folder, or None when switched off."""
     if _get("PAGED_JAX_NO_COMPILE_CACHE"):
         return None
-    return Path(_get("PAGED_JAX_COMPILE_CACHE") or Path.home() / ".cache" / "paged_jax" / "jax_cache")
+    return Path(_get("PAGED_JAX_COMPILE_CACHE") or _user_cache() / "jax_cache")
 
 
 def executable_cache_dir() -> Optional[Path]:
