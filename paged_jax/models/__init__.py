@@ -14,11 +14,13 @@ from __future__ import annotations
 import functools
 
 from paged_jax.attention import paged_attention_layer
-from paged_jax.models import gemma2, gpt2, llama, mistral, opt, phi3, qwen2, qwen3
+from paged_jax.models import (gemma2, gemma3, gpt2, llama, mistral, mixtral, opt, phi3, qwen2, qwen2_moe, qwen3,
+                              qwen3_moe)
 from paged_jax.models.config import ModelConfig
 from paged_jax.models.family import ModelFamily
 
-FAMILIES: dict[str, ModelFamily] = {m.FAMILY.name: m.FAMILY for m in (llama, opt, gpt2, qwen2, qwen3, mistral, gemma2, phi3)}
+FAMILIES: dict[str, ModelFamily] = {m.FAMILY.name: m.FAMILY for m in (llama, opt, gpt2, qwen2, qwen3, mistral, gemma2, phi3,
+                                                                     mixtral, qwen2_moe, qwen3_moe, gemma3)}
 
 
 def forward(params, config: ModelConfig, input_ids, positions, kv_caches, meta, attn):

@@ -51,6 +51,7 @@ class ModelConfig:
     # LLaMA
     rope_theta: float = 10000.0
     rope_scaling: Optional[tuple[tuple[str, Any], ...]] = None  # sorted items, hashable
+    sliding_rope_theta: Optional[float] = None  # the sliding-window layers' own RoPE base, unscaled (Gemma 3)
     attention_bias: bool = False
     mlp_bias: bool = False
     # OPT
@@ -65,6 +66,8 @@ class ModelConfig:
     attn_logit_softcap: Optional[float] = None
     attention_scale: Optional[float] = None
     final_logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
+    # Mixture-of-experts layers: a paged_jax.models.moe.MoEConfig (None: dense)
+    moe: Optional[Any] = None
     kv_cache_dtype: str = "auto"  # "int8" | "fp8": the engine's KV cache quantized (paged_jax.attention.kv_quant)
     # Token ids
     bos_token_id: Optional[int] = None

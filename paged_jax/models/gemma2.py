@@ -21,7 +21,8 @@ def _optional_float(cfg: dict, key: str):
     return None if cfg.get(key) is None else float(cfg[key])
 
 
-def config_from_hf(cfg: dict, dt: str, where: str) -> ModelConfig:
+def config_from_hf(cfg: dict, dt: str, where: str, family: str = "gemma2", **extra) -> ModelConfig:
+    """``family``, ``extra``: for Gemma 3, which reads the same fields."""
     num_layers = int(cfg.get("num_hidden_layers", 0))
     window = cfg.get("sliding_window")
     layer_types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
@@ -35,11 +36,11 @@ def config_from_hf(cfg: dict, dt: str, where: str) -> ModelConfig:
         raise ModelLoadError(f"{where}: use_bidirectional_attention is not supported; supported: causal attention")
     scalar = float(cfg.get("query_pre_attn_scalar", 256))
     return llama.config_from_hf(
-        cfg, dt, where, family="gemma2", activations=("gelu_pytorch_tanh",),
+        cfg, dt, where, family=family, activations=("gelu_pytorch_tanh",),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
         sliding_window=None if window is None else int(window), layer_types=tuple(layer_types),
         attention_scale=scalar ** -0.5, attn_logit_softcap=_optional_float(cfg, "attn_logit_softcapping"),
-        final_logit_softcap=_optional_float(cfg, "final_logit_softcapping"))
+        final_logit_softcap=_optional_float(cfg, "final_logit_softcapping"), **extra)
 
 
 def hf_tensor_shapes(c) -> dict[str, tuple]:
@@ -69,11 +70,15 @@ def embed(params, c, input_ids, positions):
     return table_rows * jnp.asarray(c.hidden_size ** 0.5, table_rows.dtype)
 
 
-def layer(lp, c, h, positions, kv, attn):
+def layer(lp, c, h, positions, kv, attn, rope=None):
+    """``rope``: the layer's RoPE where it is not the config's (Gemma 3's sliding layers)."""
     x = norm(h, lp["ln1"], c)
-    rope = c.rope_frequencies()
-    q = apply_rope(split_heads(linear(x, lp["q"]), c.num_heads, c.head_dim), positions, rope)
-    k = apply_rope(split_heads(linear(x, lp["k"]), c.num_kv_heads, c.head_dim), positions, rope)
+    rope = c.rope_frequencies() if rope is None else rope
+    q = split_heads(linear(x, lp["q"]), c.num_heads, c.head_dim)
+    k = split_heads(linear(x, lp["k"]), c.num_kv_heads, c.head_dim)
+    if "q_norm" in lp:  # Gemma 3: a (1 + w) RMSNorm over each head of Q and K, before the rotation
+        q, k = norm(q, lp["q_norm"], c), norm(k, lp["k_norm"], c)
+    q, k = apply_rope(q, positions, rope), apply_rope(k, positions, rope)
     v = split_heads(linear(x, lp["v"]), c.num_kv_heads, c.head_dim)
     o, kv = attn(q, k, v, kv)
     h = h + norm(linear(o.reshape(o.shape[0], -1), lp["o"]), lp["ln2"], c)

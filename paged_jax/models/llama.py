@@ -76,7 +76,10 @@ def hf_tensor_shapes(c, qkv_bias: bool = None, o_bias: bool = None) -> dict[str,
     return shapes
 
 
-def params_from_hf(c, get, lin) -> dict:
+def params_from_hf(c, get, lin, mlp=None) -> dict:
+    """``mlp(i, prefix)``: layer ``i``'s MLP params (default LLaMA's gate / up / down; the
+    mixture-of-experts families give their own)."""
+    mlp = mlp or (lambda i, p: mlp_params(lin, p + "mlp."))
     layers = []
     for i in range(c.num_layers):
         p = f"model.layers.{i}."
@@ -84,8 +87,7 @@ def params_from_hf(c, get, lin) -> dict:
             "ln1": get(p + "input_layernorm.weight"), "ln2": get(p + "post_attention_layernorm.weight"),
             "q": lin(p + "self_attn.q_proj", "column"), "k": lin(p + "self_attn.k_proj", "kv"),
             "v": lin(p + "self_attn.v_proj", "kv"), "o": lin(p + "self_attn.o_proj", "row"),
-            "gate": lin(p + "mlp.gate_proj", "column"), "up": lin(p + "mlp.up_proj", "column"),
-            "down": lin(p + "mlp.down_proj", "row"),
+            **mlp(i, p),
         })
     params = {"embed": DenseEmbedding(get("model.embed_tokens.weight"), tied=c.tie_word_embeddings),
               "norm": get("model.norm.weight"), "layers": layers}
@@ -94,11 +96,18 @@ def params_from_hf(c, get, lin) -> dict:
     return params
 
 
+def mlp_params(lin, prefix: str) -> dict:
+    """A SwiGLU MLP's linears, from ``{prefix}gate_proj`` / ``up_proj`` / ``down_proj``."""
+    return {"gate": lin(prefix + "gate_proj", "column"), "up": lin(prefix + "up_proj", "column"),
+            "down": lin(prefix + "down_proj", "row")}
+
+
 def embed(params, c, input_ids, positions):
     return params["embed"].lookup(input_ids)
 
 
-def layer(lp, c, h, positions, kv, attn):
+def attention(lp, c, h, positions, kv, attn):
+    """The layer's first half: ``h`` plus self-attention of its normed input."""
     x = rms_norm(h, lp["ln1"], c.norm_eps)
     rope = c.rope_frequencies()
     q = split_heads(linear(x, lp["q"]), c.num_heads, c.head_dim)
@@ -108,10 +117,17 @@ def layer(lp, c, h, positions, kv, attn):
     q, k = apply_rope(q, positions, rope), apply_rope(k, positions, rope)
     v = split_heads(linear(x, lp["v"]), c.num_kv_heads, c.head_dim)
     o, kv = attn(q, k, v, kv)
-    h = h + linear(o.reshape(o.shape[0], -1), lp["o"])
-    x = rms_norm(h, lp["ln2"], c.norm_eps)
-    h = h + linear(jax.nn.silu(linear(x, lp["gate"])) * linear(x, lp["up"]), lp["down"])
-    return h, kv
+    return h + linear(o.reshape(o.shape[0], -1), lp["o"]), kv
+
+
+def mlp(lp, x):
+    """SwiGLU."""
+    return linear(jax.nn.silu(linear(x, lp["gate"])) * linear(x, lp["up"]), lp["down"])
+
+
+def layer(lp, c, h, positions, kv, attn):
+    h, kv = attention(lp, c, h, positions, kv, attn)
+    return h + mlp(lp, rms_norm(h, lp["ln2"], c.norm_eps)), kv
 
 
 def final(params, c, h):

@@ -9,15 +9,16 @@ from paged_jax.models.config import ModelConfig
 from paged_jax.models.family import ModelFamily
 
 
-def config_from_hf(cfg: dict, dt: str, where: str) -> ModelConfig:
+def config_from_hf(cfg: dict, dt: str, where: str, family: str = "mistral", **extra) -> ModelConfig:
+    """``family``, ``extra``: for Mixtral, which reads the same window."""
     if cfg.get("layer_types"):
         # transformers' own Mistral ignores layer_types too (it points such models to Ministral).
-        raise ModelLoadError(f"{where}: a Mistral config with layer_types (alternating attention) is not "
+        raise ModelLoadError(f"{where}: a {family} config with layer_types (alternating attention) is not "
                              "supported; supported: one sliding_window for every layer, or none")
     window = cfg.get("sliding_window")
     if window is not None and (not isinstance(window, int) or isinstance(window, bool) or window < 1):
         raise ModelLoadError(f"{where}: sliding_window must be a positive integer or null, got {window!r}")
-    return llama.config_from_hf(cfg, dt, where, family="mistral", sliding_window=window)
+    return llama.config_from_hf(cfg, dt, where, family=family, sliding_window=window, **extra)
 
 
 FAMILY = ModelFamily(

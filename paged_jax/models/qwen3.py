@@ -18,8 +18,9 @@ def hf_tensor_shapes(c) -> dict[str, tuple]:
     return shapes
 
 
-def params_from_hf(c, get, lin) -> dict:
-    params = llama.params_from_hf(c, get, lin)
+def params_from_hf(c, get, lin, mlp=None) -> dict:
+    """``mlp``: as :func:`paged_jax.models.llama.params_from_hf` takes it (Qwen3-MoE's experts)."""
+    params = llama.params_from_hf(c, get, lin, mlp)
     for i, lp in enumerate(params["layers"]):
         p = f"model.layers.{i}.self_attn."
         lp["q_norm"], lp["k_norm"] = get(p + "q_norm.weight"), get(p + "k_norm.weight")
