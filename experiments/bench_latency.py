@@ -40,7 +40,7 @@ def main(argv=None):
     model = a.model or gpt2_124m_model()
     from pathlib import Path
 
-    from paged_jax.models.config import model_config_from_hf
+    from paged_jax.models import model_config_from_hf
 
     vocab = model_config_from_hf(json.loads((Path(model) / "config.json").read_text())).vocab_size
     requests = make_requests(a, vocab)

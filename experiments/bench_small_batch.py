@@ -92,11 +92,11 @@ def child(tree: str, model: str, batches: list[int], a) -> dict:
 def floors(model: str, batches: list[int], context: int, rate: float, bw: float) -> dict:
     from roofline import step_cost
 
-    from paged_jax.parallel import load_for_serving
+    from paged_jax.executor.loading import load_for_serving
     import jax
     import numpy as np
 
-    cfg, params, _ = load_for_serving(model, "float32", 1)
+    cfg, params, _ = load_for_serving(model, "float32", 1, native_kernels=False)  # unpadded: the model's own size
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
     out = {}
     for b in batches:

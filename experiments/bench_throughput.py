@@ -103,7 +103,7 @@ def main(argv=None):
     import json as _json
     from pathlib import Path
 
-    from paged_jax.models.config import model_config_from_hf
+    from paged_jax.models import model_config_from_hf
 
     requests = make_requests(a, model_config_from_hf(_json.loads((Path(model) / "config.json").read_text())).vocab_size)
     if a.compare:

@@ -11,7 +11,7 @@ import dataclasses
 
 from dataclasses import dataclass
 
-from paged_jax.models.config import ModelConfig, model_config_from_hf
+from paged_jax.models import ModelConfig, model_config_from_hf
 
 GIB = 1 << 30
 

@@ -87,13 +87,13 @@ def matmuls_alone(params, hidden: int, batch: int):
     """A jitted function running every linear layer of the model (each layer's in the order the
     layer uses them, then the LM head) once on ``batch`` rows, each taking the previous one's
     output (cut or tiled to its width): one chain, as in the model, so no two run at once.
-    Through the weight objects' own matmuls, so packed params (``paged_jax.native.pack_params``)
+    Through the weight objects' own matmuls, so packed params (``paged_jax.weights.to_panels``)
     take the native matmul and plain ones XLA's."""
     import dataclasses
 
-    from paged_jax.models.weights import LINEAR_TYPES
+    from paged_jax.weights import is_weight
 
-    layers = [[dataclasses.replace(p, b=None) for p in lp.values() if isinstance(p, LINEAR_TYPES)]  # matmuls only
+    layers = [[dataclasses.replace(p, b=None) for p in lp.values() if is_weight(p) and not hasattr(p, "lookup")]  # matmuls only
               for lp in params["layers"]]
     head = {k: params[k] for k in ("lm_head",) if k in params} or {"embed": params["embed"]}
 
@@ -114,8 +114,8 @@ def matmuls_alone(params, hidden: int, batch: int):
 
 
 class _NativeOff:
-    """``PAGED_JAX_NATIVE=0`` inside: runners built here keep plain weights, and steps traced
-    here use XLA's matmuls and jnp decode attention (both are chosen when building/tracing)."""
+    """``PAGED_JAX_NATIVE=0`` inside: runners built here choose the jnp attention, and steps traced
+    here use XLA's matmuls (on plain weights) and jnp decode attention."""
 
     def __enter__(self):
         self.old = os.environ.get("PAGED_JAX_NATIVE")
@@ -133,12 +133,14 @@ def decode_roofline(model: str, batches: list[int], context: int, block_size: in
     from paged_jax import native
     from paged_jax.executor.batch import SeqChunk, prepare_batch
     from paged_jax.executor.model_runner import ModelRunner
-    from paged_jax.parallel import load_for_serving
+    from paged_jax.executor.loading import load_for_serving
 
-    cfg, params, _ = load_for_serving(model, "float32", 1)
+    from paged_jax.weights import prepare
+
+    cfg, params, _ = load_for_serving(model, "float32", 1, native_kernels=False)  # plain weights: XLA's matmuls
     num_params = sum(int(np.prod(x.shape)) for x in jax.tree_util.tree_leaves(params))
     per_seq = -(-context // block_size)
-    runner = ModelRunner(cfg, params, block_size, max(batches) * per_seq + 1, 0)
+    runner = ModelRunner(cfg, prepare(params, "cpu"), block_size, max(batches) * per_seq + 1, 0)
     xla_runner = None
     if compare_xla:
         with _NativeOff():

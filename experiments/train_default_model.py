@@ -31,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import stdlib_corpus  # noqa: E402
 
 from paged_jax.models import FAMILIES, compute_logits  # noqa: E402
-from paged_jax.models.config import model_config_from_hf  # noqa: E402
+from paged_jax.models import model_config_from_hf  # noqa: E402
 from paged_jax.models.tiny import TINY_CONFIGS, save_tokenizer, train_tokenizer  # noqa: E402
-from paged_jax.models.weights import DenseLinear  # noqa: E402
+from paged_jax.weights import DenseLinear  # noqa: E402
 
 FAMILY = "llama"
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=8,

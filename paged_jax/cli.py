@@ -38,6 +38,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--scheduling-policy", default="fcfs", choices=list(POLICIES),
                    help="fcfs (vLLM's), or one of the paper's baselines: Orca reserving max_model_len, the prompt "
                         "plus a power of two or the true output length; FasterTransformer (static batches)")
+    p.add_argument("--target-itl-ms", type=float, default=None,
+                   help="milliseconds between tokens that running streams should see while prompts prefill: "
+                        "each step's prefill chunks are sized to a step-cost model fitted online "
+                        "(default: a fixed token budget per step)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices to split the model over (Megatron-style tensor parallelism)")
@@ -47,6 +51,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--quantization", default=None, choices=["int8", "w8a8", "fp8"],
                    help="quantize the layers' linear weights as they load (per output channel; w8a8: int8 "
                         "activations per token too); a quantized checkpoint needs no flag")
+    p.add_argument("--native-kernels", action=argparse.BooleanOptionalAction, default=None,
+                   help="the native CPU kernels (default: on where they build, unless PAGED_JAX_NATIVE=0)")
+    p.add_argument("--compile-cache-dir", default=None,
+                   help="folder of JAX's compilation cache and the compiled steps (default: PAGED_JAX_COMPILE_CACHE "
+                        "or ~/.cache/paged_jax/jax_cache)")
 
 
 def _llm(a):
@@ -57,7 +66,9 @@ def _llm(a):
                enable_chunked_prefill=a.enable_chunked_prefill, enable_prefix_caching=a.enable_prefix_caching,
                attention_backend=a.attention_backend, seed=a.seed, tensor_parallel_size=a.tensor_parallel_size,
                warm_up=getattr(a, "warm_up", False), quantization=a.quantization,
-               kv_cache_dtype=a.kv_cache_dtype, scheduling_policy=a.scheduling_policy)
+               kv_cache_dtype=a.kv_cache_dtype, scheduling_policy=a.scheduling_policy,
+               target_itl_ms=a.target_itl_ms, native_kernels=a.native_kernels,
+               compile_cache_dir=a.compile_cache_dir)
 
 
 def cmd_generate(a) -> int:

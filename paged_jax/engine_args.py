@@ -5,14 +5,14 @@ model runner."""
 from __future__ import annotations
 
 import dataclasses
-
 import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Optional
 
 from paged_jax.memory.block_manager import BlockManager
 from paged_jax.policy import make_policy
-from paged_jax.scheduler import SchedulerConfig
+from paged_jax.scheduler import SchedulerConfig, check_target_itl_ms
 
 logger = logging.getLogger("paged_jax")
 
@@ -51,8 +51,18 @@ class EngineArgs:
     tensor_parallel_size: int = 1  # devices the model is split over (Megatron-style; paged_jax.parallel)
     quantization: Optional[str] = None  # "int8" | "w8a8" | "fp8": the layers' linear weights quantized as they load
     kv_cache_dtype: str = "auto"  # "int8" | "fp8": 8-bit KV cache, a scale per token and head
+    # False: no native CPU kernels in this engine (XLA's matmuls, the jnp attention); None: on where they
+    # build, unless PAGED_JAX_NATIVE=0
+    native_kernels: Optional[bool] = None
+    # JAX's persistent compilation cache and the compiled steps on disk; None: PAGED_JAX_COMPILE_CACHE or
+    # the default folder (see paged_jax.envs)
+    compile_cache_dir: Optional[str] = None
     # a name of paged_jax.policy.POLICIES ("fcfs", the paper's baselines) or a SchedulingPolicy object
     scheduling_policy: Any = "fcfs"
+    # Milliseconds between tokens that running streams should see while prompts prefill: each step's
+    # prefill chunks are sized by a step-cost model fitted online (paged_jax.step_budget). None: today's
+    # fixed token budget (max_num_batched_tokens).
+    target_itl_ms: Optional[float] = None
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or not 1 <= self.block_size <= 256:
@@ -66,7 +76,7 @@ class EngineArgs:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
         if not isinstance(self.seed, int):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
-        from paged_jax.models.quantization import QUANTIZE_ON_LOAD
+        from paged_jax.weights import QUANTIZE_ON_LOAD
 
         if self.quantization is not None and self.quantization not in QUANTIZE_ON_LOAD:
             raise ValueError(f"quantization must be None or one of {list(QUANTIZE_ON_LOAD)}, "
@@ -76,6 +86,11 @@ class EngineArgs:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {self.kv_cache_dtype!r}")
         make_policy(self.scheduling_policy)  # refuses an unknown name before anything loads
+        if self.native_kernels not in (None, True, False):
+            raise ValueError(f"native_kernels must be None, True or False, got {self.native_kernels!r}")
+        if self.compile_cache_dir is not None and not isinstance(self.compile_cache_dir, (str, os.PathLike)):
+            raise ValueError(f"compile_cache_dir must be a folder path or None, got {self.compile_cache_dir!r}")
+        check_target_itl_ms(self.target_itl_ms, self.enable_chunked_prefill)
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")
@@ -116,11 +131,15 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     from paged_jax.executor.model_runner import (ModelRunner, available_kv_memory, enable_compilation_cache,
                                                  num_blocks_for_memory)
     from paged_jax.models.tiny import default_model_path
-    from paged_jax.parallel import load_for_serving
+    from paged_jax.executor.loading import load_for_serving
+
+    from paged_jax import envs
 
     model_path = str(args.model or default_model_path())
-    enable_compilation_cache()
-    mc, params, mesh = load_for_serving(model_path, args.dtype, args.tensor_parallel_size, args.quantization)
+    enable_compilation_cache(args.compile_cache_dir)
+    native = envs.native_enabled() if args.native_kernels is None else args.native_kernels
+    mc, params, mesh = load_for_serving(model_path, args.dtype, args.tensor_parallel_size, args.quantization,
+                                        native_kernels=native)
     mc = dataclasses.replace(mc, kv_cache_dtype=args.kv_cache_dtype)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or model_path)
     eos = {tokenizer.eos_token_id} | set(mc.eos_token_id or ())
@@ -136,8 +155,12 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         raise ValueError(DYNAMIC_ROPE_SHARING)
     budget = args.max_num_batched_tokens or (default_chunked_budget(args.max_num_seqs) if args.enable_chunked_prefill
                                              else max(max_model_len, 2048))
+    if args.target_itl_ms is not None and args.max_num_batched_tokens is None:
+        # The target sizes the steps; the token budget only caps them (a chunk as large as a 2,048-token step).
+        budget = max(budget, min(max_model_len, 2048))
     scheduler_config = SchedulerConfig(args.max_num_seqs, budget, max_model_len, args.preemption_mode,
-                                       args.enable_chunked_prefill, policy=make_policy(args.scheduling_policy))
+                                       args.enable_chunked_prefill, policy=make_policy(args.scheduling_policy),
+                                       target_itl_ms=args.target_itl_ms)
     bs = args.block_size
     # No pool needs more than every sequence at full length could use (plus the null block).
     cap = args.max_num_seqs * -(-max_model_len // bs) + 1
@@ -157,7 +180,8 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
                                  enable_prefix_caching=args.enable_prefix_caching,
                                  enable_block_sharing=args.enable_block_sharing, sliding_window=window)
     runner = ModelRunner(mc, params, bs, num_gpu_blocks, num_cpu_blocks, args.attention_backend, args.seed,
-                         mesh=mesh)
+                         mesh=mesh, native_kernels=native,
+                         executable_cache_dir=envs.executable_cache_dir(args.compile_cache_dir))
     logger.info("paged-jax engine: model=%s family=%s dtype=%s attention=%s blocks=%d x %d tokens (host %d), "
                 "max_model_len=%d", model_path, mc.family, mc.dtype, runner.attention_backend, num_gpu_blocks, bs,
                 num_cpu_blocks, max_model_len)

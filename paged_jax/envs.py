@@ -56,9 +56,10 @@ def compile_cache_dir() -> Optional[Path]:
     return Path(_get("PAGED_JAX_COMPILE_CACHE") or _user_cache() / "jax_cache")
 
 
-def executable_cache_dir() -> Optional[Path]:
-    """The folder of compiled steps on disk (inside the compilation cache's), or None when switched off."""
-    root = compile_cache_dir()
+def executable_cache_dir(root=None) -> Optional[Path]:
+    """The folder of compiled steps on disk, inside ``root`` (an engine's ``compile_cache_dir``) or the
+    compilation cache's folder, or None when switched off."""
+    root = Path(root) if root is not None else compile_cache_dir()
     return None if root is None or _get("PAGED_JAX_NO_EXECUTABLE_CACHE") else root / "executables"
 
 

@@ -20,7 +20,7 @@ PLUGIN_NAME = "paged_jax_native_paths"
 
 
 def _extra_flags(status: dict) -> str:
-    extra = status.get("flags", "").split()[len(native.FLAGS):]
+    extra = status.get("flags", "").split()[len(native.build.FLAGS):]
     return " ".join(extra) or "default flags"
 
 

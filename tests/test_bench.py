@@ -64,7 +64,7 @@ def test_throughput_and_latency_scripts(gpt2_dir, capsys):
 def test_step_cost_counts_gpt2_124m():
     import roofline
 
-    from paged_jax.models.config import model_config_from_hf
+    from paged_jax.models import model_config_from_hf
 
     cfg = model_config_from_hf(dict(architectures=["GPT2LMHeadModel"], model_type="gpt2", n_embd=768, n_layer=12,
                                     n_head=12, n_positions=1024, vocab_size=50257, tie_word_embeddings=True),
@@ -82,14 +82,15 @@ def test_matmuls_alone_chains_every_weight_of_each_family(family, tmp_path):
     import roofline
 
     from paged_jax.models.tiny import make_tiny_model
-    from paged_jax.parallel import load_for_serving
+    from paged_jax.executor.loading import load_for_serving
 
-    from paged_jax import native
+    from paged_jax.weights.panels import to_panels
 
-    cfg, params, _ = load_for_serving(str(make_tiny_model(tmp_path / family, family=family, seed=0)), "float32", 1)
+    cfg, params, _ = load_for_serving(str(make_tiny_model(tmp_path / family, family=family, seed=0)), "float32", 1,
+                                      native_kernels=False)
     out = roofline.matmuls_alone(params, cfg.hidden_size, 3)()
     assert out.shape == (3, cfg.vocab_size)
-    packed = roofline.matmuls_alone(native.pack_params(params), cfg.hidden_size, 3)()  # the native matmuls
+    packed = roofline.matmuls_alone(to_panels(params), cfg.hidden_size, 3)()  # the native matmuls
     np.testing.assert_allclose(np.asarray(packed)[:, :cfg.vocab_size], np.asarray(out), rtol=1e-4, atol=1e-4)
 
 

@@ -35,7 +35,7 @@ def test_the_modules_follow_the_variables(monkeypatch, tmp_path):
     from paged_jax.executor import executable_cache
 
     monkeypatch.setenv("PAGED_JAX_HOME", str(tmp_path / "home"))
-    assert native._library_path().parent == tmp_path / "home" / "native"
+    assert native.build._library_path().parent == tmp_path / "home" / "native"
     monkeypatch.setenv("PAGED_JAX_COMPILE_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("PAGED_JAX_NO_COMPILE_CACHE", raising=False)
     monkeypatch.delenv("PAGED_JAX_NO_EXECUTABLE_CACHE", raising=False)
@@ -47,7 +47,7 @@ def test_the_modules_follow_the_variables(monkeypatch, tmp_path):
     monkeypatch.setenv("PAGED_JAX_NATIVE", "0")
     assert not native.available()
     monkeypatch.setenv("PAGED_JAX_NATIVE_FLAGS", "-mno-avx512f -O2")
-    assert native._flags()[-2:] == ["-mno-avx512f", "-O2"]
+    assert native.build._flags()[-2:] == ["-mno-avx512f", "-O2"]
 
 
 def test_importing_the_engine_changes_no_jax_setting_and_registers_no_listener():

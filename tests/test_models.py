@@ -65,7 +65,7 @@ def test_tiny_model_of_every_family_loads_in_hf_and_matches(family, tmp_path):
 
 def test_unsupported_architecture_lists_the_supported_ones():
     from paged_jax.errors import ModelLoadError
-    from paged_jax.models.config import model_config_from_hf
+    from paged_jax.models import model_config_from_hf
 
     with pytest.raises(ModelLoadError,
                        match="FalconForCausalLM.*supported: .*'MistralForCausalLM'.*'Qwen2ForCausalLM'"):
@@ -76,7 +76,7 @@ def test_unsupported_architecture_lists_the_supported_ones():
 
 def test_qwen2_sliding_window_applies_to_the_layers_transformers_says():
     from paged_jax.errors import ModelLoadError
-    from paged_jax.models.config import model_config_from_hf
+    from paged_jax.models import model_config_from_hf
 
     base = dict(architectures=["Qwen2ForCausalLM"], vocab_size=32, hidden_size=64, intermediate_size=128,
                 num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
@@ -90,7 +90,7 @@ def test_qwen2_sliding_window_applies_to_the_layers_transformers_says():
 
 def test_mistral_window_is_on_every_layer_or_none():
     from paged_jax.errors import ModelLoadError
-    from paged_jax.models.config import model_config_from_hf
+    from paged_jax.models import model_config_from_hf
 
     base = dict(architectures=["MistralForCausalLM"], vocab_size=32, hidden_size=64, intermediate_size=128,
                 num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2)

@@ -8,7 +8,8 @@ import pytest
 
 from paged_jax import native
 from paged_jax.models.layers import linear
-from paged_jax.models.weights import DenseEmbedding, DenseLinear, PanelEmbedding, PanelLinear
+from paged_jax.weights import DenseEmbedding, DenseLinear, PanelEmbedding, PanelLinear
+from paged_jax.weights.panels import int8_packable, pack_int8, pack_quantized, quantized_packable, to_panels
 from tests.native_paths import native_paths_report, run_portable  # noqa: F401 (autouse: the paths report)
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels not built: {native.status()}")
@@ -93,7 +94,7 @@ def test_pack_params_packs_float32_linear_weights_by_type():
               "final_ln": {"w": jnp.ones((32, 48), jnp.float32), "b": jnp.zeros(32)},  # not a weight object
               "layers": [{"qkv": DenseLinear(jnp.ones((32, 96), jnp.float32), jnp.zeros(96)),
                           "half": DenseLinear(jnp.ones((32, 64), jnp.bfloat16))}]}
-    packed = native.pack_params(params)
+    packed = to_panels(params)
     layer = packed["layers"][0]
     assert isinstance(layer["qkv"], PanelLinear) and layer["qkv"].panels.shape == (2, 32, 48)
     assert layer["qkv"].b is params["layers"][0]["qkv"].b
@@ -121,7 +122,7 @@ def test_runner_packs_on_cpu_and_step_matches_xla(tiny_llama_dir, monkeypatch):
     matmuls (native switched off), on prompts and decode rows."""
     from paged_jax.executor.batch import SeqChunk, prepare_batch
     from paged_jax.executor.model_runner import ModelRunner
-    from paged_jax.parallel import load_for_serving
+    from paged_jax.executor.loading import load_for_serving
 
     cfg, params, _ = load_for_serving(str(tiny_llama_dir), "float32", 1)
     chunks = [SeqChunk([5, 9, 11, 3], 0, [1, 2]), SeqChunk([7], 6, [3, 4])]
@@ -134,6 +135,7 @@ def test_runner_packs_on_cpu_and_step_matches_xla(tiny_llama_dir, monkeypatch):
     assert _packed_layers(packed)
     got = logits(packed)
     monkeypatch.setenv("PAGED_JAX_NATIVE", "0")
+    _, params, _ = load_for_serving(str(tiny_llama_dir), "float32", 1, native_kernels=False)
     plain = ModelRunner(cfg, params, 4, 8, 0)
     assert not _packed_layers(plain)
     np.testing.assert_allclose(got, logits(plain), rtol=1e-4, atol=1e-4)
@@ -154,7 +156,7 @@ def test_tied_embedding_packed_once_serves_lookup_and_logits():
     rng = np.random.default_rng(6)
     embed = jnp.asarray(rng.standard_normal((53, 16)), jnp.float32)  # V = 53: padded to 96
     dense = {"embed": DenseEmbedding(embed, tied=True)}
-    packed = native.pack_params(dense)
+    packed = to_panels(dense)
     assert isinstance(packed["embed"], PanelEmbedding) and packed["embed"].panels.shape == (2, 16, 48)
     ids = jnp.asarray([0, 47, 48, 52, 5, -1, -53, 53, 95, 400, -400])  # and outside [0, V): as embed[ids]
     np.testing.assert_array_equal(np.asarray(packed["embed"].lookup(ids)), np.asarray(embed[ids]))
@@ -167,7 +169,8 @@ def test_tied_embedding_packed_once_serves_lookup_and_logits():
 PORTABLE_CHECK = r"""
 import json, numpy as np, jax, jax.numpy as jnp
 from paged_jax import native
-from paged_jax.models.weights import QuantizedLinear
+from paged_jax.weights import QuantizedLinear
+from paged_jax.weights.panels import pack_int8, pack_quantized
 assert native.available(), native.status()
 rng = np.random.default_rng(0)
 errs = []
@@ -181,7 +184,7 @@ for M, K, N in [(1, 16, 16), (9, 40, 96), (33, 70, 32)]:
     wq = rng.integers(-128, 128, size=(4 * K, N)).astype(np.int8)
     xs, ws = rng.uniform(0.01, 0.1, size=(M, 1)).astype(np.float32), rng.uniform(0.01, 0.1, size=(1, N)).astype(np.float32)
     p = QuantizedLinear(jnp.asarray(wq), jnp.asarray(ws), in_features_=4 * K, act="int8")
-    got = np.asarray(native.linear_int8(jnp.asarray(xq), jnp.asarray(xs), *native.pack_int8(p)))[:, :N]
+    got = np.asarray(native.linear_int8(jnp.asarray(xq), jnp.asarray(xs), *pack_int8(p)))[:, :N]
     want = (xq.astype(np.int64) @ wq.astype(np.int64)).astype(np.float32) * xs * ws
     errs.append(float(np.abs(got - want).max()))
 # quantized weights (int8, int4 with zero points, fp8) against XLA's dequantizing matmul, 1 and 12 rows
@@ -191,7 +194,7 @@ for values, bits in [(rng.integers(-128, 128, size=(64, 48)).astype(np.int8), 8)
     scale = jnp.asarray(rng.uniform(0.01, 0.1, size=(2, 48)).astype(np.float32))
     zero = jnp.asarray(rng.integers(-8, 8, size=(2, 48)).astype(np.int8)) if bits == 4 else None
     p = QuantizedLinear(jnp.asarray(values), scale, zero=zero, bits=bits, in_features_=64)
-    panels, scales, zeros, _ = native.pack_quantized(p)
+    panels, scales, zeros, _ = pack_quantized(p)
     for M in (1, 12):
         x = jnp.asarray(rng.standard_normal((M, 64)).astype(np.float32))
         got = np.asarray(native.linear_quantized(x, panels, scales, bits, zeros))[:, :48]
@@ -216,19 +219,19 @@ def test_avx512_tiles_where_the_cpu_has_them(monkeypatch, tiny_llama_dir):
     """The default build uses AVX-512 (VNNI for the int8 x int8 matmul) exactly where the CPU has it,
     in every kernel; a runner packs float32 weights only then."""
     from paged_jax.executor.model_runner import ModelRunner
-    from paged_jax.parallel import load_for_serving
+    from paged_jax.executor.loading import load_for_serving
 
     with open("/proc/cpuinfo") as f:
         flags = next((line for line in f if line.startswith("flags")), "").split()
-    off = "-mno-avx512f" in native._flags()  # PAGED_JAX_NATIVE_FLAGS: this CPU's AVX2 paths, on purpose
+    off = "-mno-avx512f" in native.build._flags()  # PAGED_JAX_NATIVE_FLAGS: this CPU's AVX2 paths, on purpose
     has = "avx512f" in flags and not off
     vnni = has and "avx512_vnni" in flags
     assert native.status()["avx512_matmul"] == has == native.packs_weights()
     want = "avx512" if has else "portable"
     assert native.paths() == {"attention": want, "linear float32": want, "linear quantized": want,
                               "linear int8 x int8": "vnni" if vnni else "portable"}
-    cfg, params, _ = load_for_serving(str(tiny_llama_dir), "float32", 1)
     monkeypatch.setitem(native._state, "avx512_matmul", False)  # as on a CPU without AVX-512
+    cfg, params, _ = load_for_serving(str(tiny_llama_dir), "float32", 1)
     runner = ModelRunner(cfg, params, 4, 8, 0)
     assert not _packed_layers(runner)
 
@@ -236,15 +239,15 @@ def test_avx512_tiles_where_the_cpu_has_them(monkeypatch, tiny_llama_dir):
 def _quantized(rng, K, N, bits, groups, per_tensor=False, zero=False, act_order=False):
     """A QuantizedLinear of random int8 / int4 values, its scales (zero points, activation-order
     ``g_idx`` when asked) and its float weight (numpy, float64)."""
-    from paged_jax.models.quantization import _pack_nibbles
-    from paged_jax.models.weights import QuantizedLinear
+    from paged_jax.weights.quantized import pack_nibbles
+    from paged_jax.weights import QuantizedLinear
 
     top = 1 << (bits - 1)
     q = rng.integers(-top, top, size=(K, N)).astype(np.int8)
     scale = rng.uniform(0.01, 0.1, size=(groups, 1 if per_tensor else N)).astype(np.float32)
     zeros = rng.integers(-top, top, size=scale.shape).astype(np.int8) if zero else None
     g_idx = rng.permutation(np.arange(K) // (K // groups)).astype(np.int32) if act_order else None
-    values = _pack_nibbles(q) if bits == 4 else q
+    values = pack_nibbles(q) if bits == 4 else q
     p = QuantizedLinear(jnp.asarray(values), jnp.asarray(scale), zero=None if zeros is None else jnp.asarray(zeros),
                         g_idx=None if g_idx is None else jnp.asarray(g_idx), bits=bits, in_features_=K,
                         block=(K // groups, N if per_tensor else 1))
@@ -268,9 +271,9 @@ def test_quantized_linear_matches_numpy(bits, M, K, N, groups, per_tensor, zero,
         pytest.skip("one group: activation order changes nothing")
     rng = np.random.default_rng(M * 100 + K + N + bits)
     p, w = _quantized(rng, K, N, bits, groups, per_tensor, zero, act_order)
-    assert native.quantized_packable(p)
+    assert quantized_packable(p)
     x = rng.standard_normal((M, K)).astype(np.float32)
-    panels, scales, zeros, order = native.pack_quantized(p)
+    panels, scales, zeros, order = pack_quantized(p)
     assert (zeros is not None) == zero and (order is not None) == act_order
     xs = jnp.asarray(x if order is None else x[:, np.asarray(order)])
     got = np.asarray(jax.jit(native.linear_quantized, static_argnums=3)(xs, panels, scales, bits, zeros))
@@ -289,7 +292,7 @@ def test_fp8_weights_match_numpy(M, scales, act):
     does), against numpy's decoding of the codes and XLA's dequantizing matmul."""
     import ml_dtypes
 
-    from paged_jax.models.weights import QuantizedLinear, quantize_per_token
+    from paged_jax.weights import QuantizedLinear, quantize_per_token
 
     rng = np.random.default_rng(M)
     K, N = 256, 80
@@ -300,12 +303,12 @@ def test_fp8_weights_match_numpy(M, scales, act):
     shape, block = {"tensor": ((1, 1), (K, N)), "column": ((1, N), (K, 1)), "block": ((K // 32, 3), (32, 32))}[scales]
     scale = rng.uniform(0.01, 0.1, size=shape).astype(np.float32)
     p = QuantizedLinear(jnp.asarray(values), jnp.asarray(scale), in_features_=K, block=block, act=act)
-    assert native.quantized_packable(p)
+    assert quantized_packable(p)
     full = np.repeat(np.repeat(scale, block[0], axis=0), block[1], axis=1)[:K, :N].astype(np.float64)
     w = values.astype(np.float64) * full
     x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
     xr = x if act is None else (lambda q, s: q.astype(jnp.float32) * s)(*quantize_per_token(x, act))
-    packed = native.pack_params({"w": p})["w"]
+    packed = to_panels({"w": p})["w"]
     got = np.asarray(jax.jit(packed.__call__)(x))
     np.testing.assert_allclose(got, np.asarray(xr, np.float64) @ w, rtol=1e-5, atol=1e-5 * np.sqrt(K))
     np.testing.assert_allclose(got, np.asarray(p(x)), rtol=1e-5, atol=1e-5 * np.sqrt(K))
@@ -315,7 +318,7 @@ def test_fp8_weights_match_numpy(M, scales, act):
 @pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
 def test_register_tiles_and_float_slabs_agree_to_the_bit(fmt):
     """Rows 0-3 of a 12-row product (float32 slabs) equal the same rows run alone (register tiles)."""
-    from paged_jax.models.weights import QuantizedLinear
+    from paged_jax.weights import QuantizedLinear
 
     rng = np.random.default_rng(len(fmt))
     if fmt == "fp8":
@@ -323,7 +326,7 @@ def test_register_tiles_and_float_slabs_agree_to_the_bit(fmt):
         p = QuantizedLinear(values, jnp.asarray(rng.uniform(0.01, 0.1, (2, 96)).astype(np.float32)), in_features_=256)
     else:
         p, _ = _quantized(rng, 256, 96, 8 if fmt == "int8" else 4, 2, zero=True)
-    panels, scales, zeros, _ = native.pack_quantized(p)
+    panels, scales, zeros, _ = pack_quantized(p)
     x = jnp.asarray(rng.standard_normal((12, 256)).astype(np.float32))
     f = jax.jit(native.linear_quantized, static_argnums=3)
     np.testing.assert_array_equal(np.asarray(f(x, panels, scales, p.bits, zeros))[:4],
@@ -332,7 +335,7 @@ def test_register_tiles_and_float_slabs_agree_to_the_bit(fmt):
 
 @needs_native
 def test_pack_params_packs_the_quantized_weights_the_kernel_takes_and_leaves_the_rest():
-    from paged_jax.models.weights import PanelQuantizedLinear, QuantizedLinear
+    from paged_jax.weights import PanelQuantizedLinear, QuantizedLinear
 
     rng = np.random.default_rng(5)
     p8, _ = _quantized(rng, 64, 32, 8, 2)
@@ -344,7 +347,7 @@ def test_pack_params_packs_the_quantized_weights_the_kernel_takes_and_leaves_the
     uneven = QuantizedLinear(asym.values, asym.scale, zero=asym.zero, g_idx=jnp.zeros(64, jnp.int32), bits=4,
                              in_features_=64, block=(32, 1))  # one group of 64 rows, one of none
     weights = {"a": p8, "b": p4, "c": fp8, "d": w8a8, "e": asym, "f": uneven}
-    packed = native.pack_params(weights)
+    packed = to_panels(weights)
     assert all(isinstance(packed[k], PanelQuantizedLinear) for k in "abde")
     assert packed["b"].panels.dtype == jnp.uint8 and packed["b"].out_features == 40
     assert packed["e"].zeros is not None and packed["e"].order is not None and packed["d"].act == "int8"
@@ -355,7 +358,7 @@ def test_pack_params_packs_the_quantized_weights_the_kernel_takes_and_leaves_the
 
 
 def _w8a8(rng, K, N, per_tensor=False):
-    from paged_jax.models.weights import QuantizedLinear
+    from paged_jax.weights import QuantizedLinear
 
     wq = rng.integers(-128, 128, size=(K, N)).astype(np.int8)
     ws = rng.uniform(0.01, 0.1, size=(1, 1 if per_tensor else N)).astype(np.float32)
@@ -371,16 +374,16 @@ def test_int8_by_int8_linear_matches_numpy_and_xla_to_the_bit(M, K, N, per_tenso
     sums scaled once; equal to numpy's integer product and bitwise to QuantizedLinear's XLA path."""
     rng = np.random.default_rng(M + K + N)
     p, wq, ws = _w8a8(rng, K, N, per_tensor)
-    assert native.int8_packable(p)
+    assert int8_packable(p)
     xq = rng.integers(-128, 128, size=(M, K)).astype(np.int8)
     xq[0, :2] = [-128, 127]
     xs = rng.uniform(0.01, 0.1, size=(M, 1)).astype(np.float32)
-    got = np.asarray(jax.jit(native.linear_int8)(jnp.asarray(xq), jnp.asarray(xs), *native.pack_int8(p)))[:, :N]
+    got = np.asarray(jax.jit(native.linear_int8)(jnp.asarray(xq), jnp.asarray(xs), *pack_int8(p)))[:, :N]
     np.testing.assert_array_equal(got, (xq.astype(np.int64) @ wq.astype(np.int64)).astype(np.float32) * xs * ws)
     # the whole layer (activations quantized per token) against QuantizedLinear's own int8 dot
-    from paged_jax.models.weights import PanelInt8Linear
+    from paged_jax.weights import PanelInt8Linear
 
-    panels, sums, scales = native.pack_int8(p)
+    panels, sums, scales = pack_int8(p)
     x = jnp.asarray(rng.standard_normal((M, K)).astype(np.float32))
     packed = PanelInt8Linear(panels, sums, scales, out_features=N)
     np.testing.assert_array_equal(np.asarray(jax.jit(packed.__call__)(x)), np.asarray(jax.jit(p.__call__)(x)))
@@ -388,13 +391,13 @@ def test_int8_by_int8_linear_matches_numpy_and_xla_to_the_bit(M, K, N, per_tenso
 
 @needs_native
 def test_pack_params_packs_w8a8_only_where_vnni_runs_it():
-    from paged_jax.models.weights import PanelInt8Linear, PanelQuantizedLinear, QuantizedLinear
+    from paged_jax.weights import PanelInt8Linear, PanelQuantizedLinear, QuantizedLinear
 
     rng = np.random.default_rng(3)
     p, _, _ = _w8a8(rng, 64, 32)
     odd = QuantizedLinear(p.values[:62], p.scale, in_features_=62, act="int8")  # inputs not a multiple of 4
     grouped = QuantizedLinear(p.values, jnp.ones((2, 32)), in_features_=64, act="int8", block=(32, 1))
-    packed = native.pack_params({"a": p, "odd": odd, "grouped": grouped})
+    packed = to_panels({"a": p, "odd": odd, "grouped": grouped})
     assert isinstance(packed["a"], PanelInt8Linear) == native.status()["vnni_matmul"]
     assert packed["odd"] is odd  # XLA's integer dot
     # scales per group: not an integer matmul, QuantizedLinear multiplies the rounded activations in float32

@@ -23,8 +23,10 @@ import pytest
 from paged_jax import LLM, SamplingParams, native
 from paged_jax.errors import ModelLoadError
 from paged_jax.models.loader import load_model
-from paged_jax.models.quantization import _pack_nibbles, _unpack_int32, quantize_weight
-from paged_jax.models.weights import (DenseLinear, PanelInt8Linear, PanelQuantizedLinear, QuantizedLinear,
+from paged_jax.weights.methods.compressed_tensors import _unpack_int32
+from paged_jax.weights.methods.on_load import quantize_weight
+from paged_jax.weights.quantized import pack_nibbles
+from paged_jax.weights import (DenseLinear, PanelInt8Linear, PanelQuantizedLinear, QuantizedLinear,
                                       quantize_per_token)
 from tests.ct_numpy import numpy_dequantized_model, without_activation_quantization
 from tests.hf_models import ct_dequantized_model, load_hf, make_ct_model
@@ -88,7 +90,7 @@ def test_int4_groups_zero_points_and_g_idx_dequantize_as_numpy_says(n_in, group,
     scale = rng.uniform(0.01, 0.2, size=(groups, n_out)).astype(np.float32)
     zero = rng.integers(-3, 4, size=(groups, n_out)).astype(np.int8) if with_zero else None
     g_idx = rng.permutation(np.arange(n_in) // group).astype(np.int32) if with_g_idx else np.arange(n_in) // group
-    p = QuantizedLinear(jnp.asarray(_pack_nibbles(q)), jnp.asarray(scale),
+    p = QuantizedLinear(jnp.asarray(pack_nibbles(q)), jnp.asarray(scale),
                         zero=None if zero is None else jnp.asarray(zero),
                         g_idx=jnp.asarray(g_idx) if with_g_idx else None, bits=4, in_features_=n_in,
                         block=(group, 1))

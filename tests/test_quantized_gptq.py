@@ -31,7 +31,7 @@ import pytest
 from paged_jax import LLM, SamplingParams
 from paged_jax.errors import ModelLoadError
 from paged_jax.models.loader import load_model
-from paged_jax.models.weights import PanelQuantizedLinear, QuantizedLinear
+from paged_jax.weights import PanelQuantizedLinear, QuantizedLinear
 
 FIXTURES = Path(__file__).parent / "fixtures" / "quantized"
 PROMPTS = [[1, 5, 9, 33, 77, 100, 200], [1, 40, 41, 42], [1, 300, 301, 302, 303, 304, 305, 306, 307]]
@@ -103,7 +103,7 @@ def test_gptq_v1_zeros_of_zero_borrowed_from_their_neighbour_and_are_restored_ex
     borrows from the next nibble; adding one to each nibble on read (not to the word) would give
     16 and one less for its neighbour. The oracle: GPTQModel's own v2 -> v1 conversion and its
     dequantization of the zeros before it."""
-    from paged_jax.models.quantization_gptq import GPTQQuantization
+    from paged_jax.weights.methods.gptq import GPTQQuantization
 
     o = np.load(FIXTURES / "gptq-v1-zero-borrow.npz")
     n_in, n_out = o["g_idx"].shape[0], o["scales"].shape[1]

@@ -179,7 +179,7 @@ def test_bad_tensor_parallel_size_is_refused_before_weights_load(hf_model_dir, t
 
 
 def test_kv_head_rules():
-    from paged_jax.models.loader import model_config_from_hf
+    from paged_jax.models import model_config_from_hf
     from paged_jax.parallel import check_tensor_parallel
 
     cfg = model_config_from_hf({"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 96,
@@ -246,7 +246,7 @@ def test_orbax_checkpoint_restores_the_same_params(hf_model_dir, tmp_path, varia
     import jax
 
     from paged_jax.models.loader import load_model
-    from paged_jax.parallel import load_for_serving
+    from paged_jax.executor.loading import load_for_serving
     from paged_jax.parallel.checkpoint import convert
 
     src = hf_model_dir(variant)
@@ -269,7 +269,7 @@ def test_weight_roles_map_to_megatron_specs():
     import jax
     from jax.sharding import PartitionSpec as P
 
-    from paged_jax.models.weights import DenseEmbedding, DenseLinear
+    from paged_jax.weights import DenseEmbedding, DenseLinear
     from paged_jax.parallel.rules import weight_specs
 
     def s(*shape):

@@ -79,15 +79,20 @@ def available_backends() -> list[str]:
     return sorted(_BACKENDS)
 
 
-def select_backend(name: str, specs: Iterable[AttentionSpec], dtype: str):
+def select_backend(name: str, specs: Iterable[AttentionSpec], dtype: str, native_kernels: bool = True):
     """The backend an engine runs: ``name``'s, checked against every spec (ValueError if it
     refuses one), or for ``"auto"`` the platform's kernels (:data:`AUTO_PREFERENCE`: Pallas on a
-    GPU, native on a CPU) where they pass their check, else the reference. The choice is logged
-    and shown as ``attention_backend`` in the engine's ``get_stats()``."""
+    GPU, native on a CPU unless ``native_kernels`` is False) where they pass their check, else the
+    reference. The choice is logged and shown as ``attention_backend`` in the engine's ``get_stats()``."""
     specs = set(specs)
+    if name == NATIVE.name and not native_kernels:
+        raise ValueError("attention_backend='native' needs the native kernels, which native_kernels=False "
+                         "switches off; use 'reference' or 'auto'")
     if name == AUTO:
         platform = jax.default_backend()
         preferred = AUTO_PREFERENCE.get(platform)
+        if preferred == NATIVE.name and not native_kernels:
+            preferred = None
         if preferred is not None:
             try:
                 backend = _checked(get_backend(preferred), specs, dtype)

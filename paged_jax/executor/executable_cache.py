@@ -286,10 +286,14 @@ def _fresh_compile(lowered) -> tuple["jax.stages.Compiled", bool]:
     return compiled, _persistent_cache_hits == hits
 
 
-def for_runner(config, backend, params, kv_caches, mesh=None) -> Optional[ExecutableCache]:
-    """The cache for a runner's step, or None: switched off, tensor parallelism, or a backend
-    that user code registered."""
-    directory = cache_dir()
+DEFAULT = "default"  # for_runner's folder: the one cache_dir() names
+
+
+def for_runner(config, backend, params, kv_caches, mesh=None, directory=DEFAULT) -> Optional[ExecutableCache]:
+    """The cache for a runner's step in ``directory`` (default: :func:`cache_dir`), or None: switched
+    off (``directory`` None), tensor parallelism, or a backend that user code registered."""
+    if directory == DEFAULT:
+        directory = cache_dir()
     if directory is None or mesh is not None or not _builtin(backend):
         return None
     _start_counting_hits()

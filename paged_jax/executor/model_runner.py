@@ -34,11 +34,12 @@ logger = logging.getLogger("paged_jax")
 
 
 def enable_compilation_cache(path: Optional[str] = None) -> None:
-    """JAX's persistent compilation cache: a second start of the same model skips compiling."""
-    default = envs.compile_cache_dir()
-    if default is None:
+    """JAX's persistent compilation cache in ``path`` (default: :func:`paged_jax.envs.compile_cache_dir`,
+    None when switched off): a second start of the same model skips compiling."""
+    path = path or envs.compile_cache_dir()
+    if path is None:
         return
-    path = str(path or default)
+    path = str(path)
     try:
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -97,23 +98,22 @@ def make_step(config: ModelConfig, attn):
 
 class ModelRunner:
     def __init__(self, config: ModelConfig, params, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
-                 attention_backend: str = "auto", seed: int = 0, mesh=None):
-        """``attention_backend``: a registered backend's name, checked against every layer's
+                 attention_backend: str = "auto", seed: int = 0, mesh=None, native_kernels: bool = True,
+                 executable_cache_dir=executable_cache.DEFAULT):
+        """``params``: as :func:`paged_jax.executor.loading.load_for_serving` readies them (the runner
+        takes them as they are). ``attention_backend``: a registered backend's name, checked against every layer's
         :class:`AttentionSpec` and the dtype (ValueError if it refuses), or ``"auto"`` (see
         :func:`select_backend`; the reference under tensor parallelism). ``mesh``: tensor
         parallelism (``paged_jax.parallel``): params already sharded on it, the KV cache split
         over KV heads, the attention backend run per device in shard_map."""
-        if mesh is None and jax.default_backend() == "cpu":
-            from paged_jax import native
-
-            if native.available():  # linear weights in column panels for the native matmul (floats: AVX-512 only)
-                params = native.pack_params(params, floats=native.packs_weights())
         self.config, self.params, self.block_size = config, params, block_size
         if mesh is not None and attention_backend == AUTO:
-            attention_backend = "reference"  # the native kernel inside shard_map is untested
+            # the native and Pallas kernels inside shard_map are untested: "auto" runs the reference there
+            logger.info("tensor parallelism: attention_backend 'auto' runs 'reference' on each device")
+            attention_backend = "reference"
         cache_dtype = config.dtype if config.kv_cache_dtype == "auto" else config.kv_cache_dtype
         self.attn = select_backend(attention_backend, [config.attention_spec(i) for i in range(config.num_layers)],
-                                   cache_dtype)
+                                   cache_dtype, native_kernels=native_kernels)
         self.attention_backend = self.attn.name
         self.seed = seed
         self.mesh, self.kv_sharding, out_shardings = mesh, None, None
@@ -134,7 +134,8 @@ class ModelRunner:
         self._step = jax.jit(make_step(config, self.attn), static_argnums=(3,), donate_argnums=(1,),
                              out_shardings=out_shardings)
         # Compiled steps on disk (None when off): a fresh process skips tracing and lowering.
-        self.executable_cache = executable_cache.for_runner(config, self.attn, self.params, self.kv_caches, mesh)
+        self.executable_cache = executable_cache.for_runner(config, self.attn, self.params, self.kv_caches, mesh,
+                                                            executable_cache_dir)
         self._sample_step = 0
         self.timings = {"prepare": 0.0, "cache_ops": 0.0, "device": 0.0, "sample": 0.0}
 

@@ -16,11 +16,48 @@ import functools
 from paged_jax.attention import paged_attention_layer
 from paged_jax.models import (gemma2, gemma3, gpt2, llama, mistral, mixtral, opt, phi3, qwen2, qwen2_moe, qwen3,
                               qwen3_moe)
-from paged_jax.models.config import ModelConfig
+from paged_jax.errors import ModelLoadError
+from paged_jax.models.config import ModelConfig, resolve_dtype
 from paged_jax.models.family import ModelFamily
 
 FAMILIES: dict[str, ModelFamily] = {m.FAMILY.name: m.FAMILY for m in (llama, opt, gpt2, qwen2, qwen3, mistral, gemma2, phi3,
                                                                      mixtral, qwen2_moe, qwen3_moe, gemma3)}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(a for fam in FAMILIES.values() for a in fam.architectures)
+
+
+def family_of(cfg: dict, where: str) -> str:
+    """The family claiming the config's ``architectures`` (or, without them, its ``model_type``)."""
+    archs = cfg.get("architectures") or []
+    for arch in archs:
+        for fam in FAMILIES.values():
+            if arch in fam.architectures:
+                return fam.name
+    if archs:
+        raise ModelLoadError(f"{where}: unsupported architecture {archs!r}; supported: {supported_architectures()}")
+    model_type = cfg.get("model_type")
+    for fam in FAMILIES.values():
+        if model_type in fam.model_types:
+            return fam.name
+    raise ModelLoadError(
+        f"{where}: unsupported model_type {model_type!r} (no 'architectures' given); "
+        f"supported architectures: {supported_architectures()}")
+
+
+def model_config_from_hf(cfg: dict, dtype: str = "auto", where: str = "model") -> ModelConfig:
+    """Translate a parsed config.json into a ModelConfig (by its family's parser), with clear errors."""
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{where}: config.json must hold a JSON object, got {type(cfg).__name__}")
+    family = family_of(cfg, where)
+    dt = resolve_dtype(dtype, cfg)
+    try:
+        return FAMILIES[family].config_from_hf(cfg, dt, where)
+    except (TypeError, ValueError) as e:
+        if isinstance(e, ModelLoadError):
+            raise
+        raise ModelLoadError(f"{where}: malformed config.json: {e}") from e
 
 
 def forward(params, config: ModelConfig, input_ids, positions, kv_caches, meta, attn):
@@ -50,4 +87,5 @@ def compute_logits(params, config: ModelConfig, hidden):
     return logits
 
 
-__all__ = ["ModelConfig", "ModelFamily", "FAMILIES", "forward", "compute_logits"]
+__all__ = ["ModelConfig", "ModelFamily", "FAMILIES", "forward", "compute_logits", "model_config_from_hf",
+           "supported_architectures"]

@@ -193,48 +193,6 @@ def eos_tuple(value) -> Optional[tuple[int, ...]]:
     return (int(value),)
 
 
-def supported_architectures() -> list[str]:
-    from paged_jax.models import FAMILIES
-
-    return sorted(a for fam in FAMILIES.values() for a in fam.architectures)
-
-
-def family_of(cfg: dict, where: str) -> str:
-    """The family claiming the config's ``architectures`` (or, without them, its ``model_type``)."""
-    from paged_jax.models import FAMILIES
-
-    archs = cfg.get("architectures") or []
-    for arch in archs:
-        for fam in FAMILIES.values():
-            if arch in fam.architectures:
-                return fam.name
-    if archs:
-        raise ModelLoadError(f"{where}: unsupported architecture {archs!r}; supported: {supported_architectures()}")
-    model_type = cfg.get("model_type")
-    for fam in FAMILIES.values():
-        if model_type in fam.model_types:
-            return fam.name
-    raise ModelLoadError(
-        f"{where}: unsupported model_type {model_type!r} (no 'architectures' given); "
-        f"supported architectures: {supported_architectures()}")
-
-
-def model_config_from_hf(cfg: dict, dtype: str = "auto", where: str = "model") -> ModelConfig:
-    """Translate a parsed config.json into a ModelConfig (by its family's parser), with clear errors."""
-    from paged_jax.models import FAMILIES
-
-    if not isinstance(cfg, dict):
-        raise ModelLoadError(f"{where}: config.json must hold a JSON object, got {type(cfg).__name__}")
-    family = family_of(cfg, where)
-    dt = resolve_dtype(dtype, cfg)
-    try:
-        return FAMILIES[family].config_from_hf(cfg, dt, where)
-    except (TypeError, ValueError) as e:
-        if isinstance(e, ModelLoadError):
-            raise
-        raise ModelLoadError(f"{where}: malformed config.json: {e}") from e
-
-
 def _yarn(scaling: dict, theta: float, dim: int, max_positions: int) -> tuple[np.ndarray, float]:
     """YaRN's inverse frequencies (a ramp between interpolated and original ones) and its attention factor."""
     old_len = scaling["original_max_position_embeddings"]

@@ -7,7 +7,7 @@ and is listed once in ``paged_jax.models.FAMILIES``. The record holds:
   (``config_from_hf(cfg, dtype, where) -> ModelConfig``);
 - the Hugging Face tensors it expects (``hf_tensor_shapes(config) -> {name: shape}``) and how they
   become params (``params_from_hf(config, get, lin)``): ``get(name)`` is one tensor,
-  ``lin(prefix, parallel)`` a :class:`~paged_jax.models.weights.DenseLinear` from ``prefix.weight``
+  ``lin(prefix, parallel)`` a :class:`~paged_jax.weights.DenseLinear` from ``prefix.weight``
   (and ``prefix.bias`` when present), ``parallel`` its tensor-parallel role;
 - the forward: ``embed(params, config, ids, positions)``, ``layer(layer_params, config, h, positions,
   kv, attn)`` (which calls ``attn(q, k, v, kv)``; with dynamic-NTK RoPE ``positions`` is the pair that

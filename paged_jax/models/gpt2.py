@@ -8,7 +8,7 @@ from paged_jax.errors import ModelLoadError
 from paged_jax.models.config import ModelConfig, eos_tuple, require
 from paged_jax.models.family import ModelFamily
 from paged_jax.models.layers import ACTIVATIONS, layer_norm, linear, split_heads
-from paged_jax.models.weights import DenseEmbedding, DenseLinear
+from paged_jax.weights import DenseEmbedding, DenseLinear
 
 
 def config_from_hf(cfg: dict, dt: str, where: str) -> ModelConfig:

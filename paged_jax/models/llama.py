@@ -8,7 +8,7 @@ from paged_jax.errors import ModelLoadError
 from paged_jax.models.config import ModelConfig, eos_tuple, require, rope_from_hf
 from paged_jax.models.family import ModelFamily
 from paged_jax.models.layers import apply_rope, linear, rms_norm, split_heads
-from paged_jax.models.weights import DenseEmbedding
+from paged_jax.weights import DenseEmbedding
 
 
 def config_from_hf(cfg: dict, dt: str, where: str, family: str = "llama", activations: tuple = ("silu",),

@@ -15,9 +15,8 @@ import numpy as np
 
 from paged_jax.errors import ModelLoadError
 from paged_jax.models import FAMILIES
-from paged_jax.models.config import ModelConfig, model_config_from_hf
-from paged_jax.models.quantization import CheckpointQuantization
-from paged_jax.models.weights import DenseLinear
+from paged_jax.models import ModelConfig, model_config_from_hf
+from paged_jax.weights import DenseLinear, checkpoint_quantization
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -144,11 +143,11 @@ def params_from_tensors(config: ModelConfig, tensors: dict[str, np.ndarray], to_
 
 def load_model(path, dtype: str = "auto"):
     """Return (ModelConfig, params) for a model folder (float, or quantized:
-    :mod:`paged_jax.models.quantization`)."""
+    :mod:`paged_jax.weights.methods`)."""
     folder = Path(path)
     raw = read_config(folder)
     config = model_config_from_hf(raw, dtype=dtype, where=str(folder))
-    quant = CheckpointQuantization.from_hf(raw, str(folder))  # refuses an unsupported format up front
+    quant = checkpoint_quantization(raw, str(folder))  # refuses an unsupported format up front
     names = FAMILIES[config.family].hf_tensor_shapes(config)
     if quant is None:
         return config, params_from_tensors(config, load_tensors(folder, names))

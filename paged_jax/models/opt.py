@@ -6,7 +6,7 @@ from paged_jax.errors import ModelLoadError
 from paged_jax.models.config import ModelConfig, eos_tuple, require
 from paged_jax.models.family import ModelFamily
 from paged_jax.models.layers import ACTIVATIONS, layer_norm, linear, split_heads
-from paged_jax.models.weights import DenseEmbedding
+from paged_jax.weights import DenseEmbedding
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
 

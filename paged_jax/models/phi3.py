@@ -9,7 +9,7 @@ from paged_jax.errors import ModelLoadError
 from paged_jax.models import llama
 from paged_jax.models.config import ModelConfig
 from paged_jax.models.family import ModelFamily
-from paged_jax.models.weights import DenseEmbedding, DenseLinear
+from paged_jax.weights import DenseEmbedding, DenseLinear
 
 
 def config_from_hf(cfg: dict, dt: str, where: str) -> ModelConfig:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 
 from paged_jax.models import FAMILIES
-from paged_jax.models.config import model_config_from_hf
+from paged_jax.models import model_config_from_hf
 
 CORPUS = Path(__file__).parent / "data" / "corpus.txt"
 DEFAULT_MODEL = Path(__file__).parent / "data" / "default-model"

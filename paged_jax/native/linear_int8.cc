@@ -1,5 +1,5 @@
 // y = (xq @ w) * x_scale * w_scale for the CPU, int8 activations times int8 weights (W8A8: the
-// activations quantized per token at run time, paged_jax.models.weights.quantize_per_token),
+// activations quantized per token at run time, paged_jax.weights.quantize_per_token),
 // called from JAX through the XLA FFI.
 //
 // xq: [M, K] int8, row-major, K a multiple of 4. x_scale: [M] float32. w: [P, K / 4, W * 4] int8,

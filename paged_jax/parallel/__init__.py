@@ -99,44 +99,5 @@ def shard_backend(backend, mesh) -> ShardedBackend:
     return ShardedBackend(backend, mesh)
 
 
-def load_for_serving(path, dtype: str = "auto", tensor_parallel_size: int = 1, quantization=None):
-    """(ModelConfig, params, mesh or None) for a HF folder or a paged-jax orbax checkpoint.
-
-    ``tensor_parallel_size == 1`` on a HF folder is the plain single-device loader.
-    ``quantization`` (``paged_jax.models.quantization.QUANTIZE_ON_LOAD``): quantize the layers'
-    linear weights as they load (sharded ones keep their shards). A quantized checkpoint loads
-    whole on the host and is then placed by the same sharding rules.
-    """
-    from paged_jax.models.quantization import quantize_layers
-    from paged_jax.parallel import checkpoint
-
-    from paged_jax.models.loader import load_model, read_config
-
-    tp = tensor_parallel_size
-    if tp == 1 and not checkpoint.is_orbax_checkpoint(path):
-        config, params = load_model(path, dtype)
-        mesh = None
-    elif not checkpoint.is_orbax_checkpoint(path) and read_config(path).get("quantization_config"):
-        import jax
-
-        from paged_jax.parallel.rules import param_shardings
-
-        config, rep = check_tensor_parallel(checkpoint.load_config_any(path, dtype), tp)
-        if rep > 1:
-            raise ValueError(f"tensor_parallel_size={tp} would replicate the KV heads, which a quantized checkpoint "
-                             f"does not support yet; use a tp that divides the model's KV heads")
-        mesh = make_mesh(tp)
-        _, params = load_model(path, dtype)
-        params = jax.device_put(params, param_shardings(params, mesh))
-    else:
-        model_config = checkpoint.load_config_any(path, dtype)
-        config, rep = check_tensor_parallel(model_config, tp)  # before any weight is read
-        mesh = make_mesh(tp)
-        params = checkpoint.load_sharded(path, model_config, mesh, kv_replication=rep)
-    if quantization is not None:
-        params = quantize_layers(params, quantization)
-    return config, params, mesh
-
-
 __all__ = ["check_tensor_parallel", "make_mesh", "kv_cache_sharding", "replicated", "shard_backend", "ShardedBackend",
-           "load_for_serving", "AXIS"]
+           "AXIS"]

@@ -29,7 +29,7 @@ from paged_jax.errors import ModelLoadError
 from paged_jax.models import FAMILIES
 from paged_jax.models.config import ModelConfig
 from paged_jax.models.loader import load_config, load_tensors, params_from_tensors, weight_files
-from paged_jax.models.weights import DenseLinear, map_weights
+from paged_jax.weights import DenseLinear, map_weights
 from paged_jax.parallel.rules import param_shardings
 
 MARKER = "paged_jax_checkpoint.json"

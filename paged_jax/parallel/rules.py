@@ -1,16 +1,14 @@
-"""Megatron-style sharding: each weight object's ``parallel`` role -> PartitionSpec.
+"""Megatron-style sharding: each weight object's ``parallel`` role and its class's declared axes
+-> PartitionSpec.
 
-The family chooses every weight's role when it builds the params
-(``paged_jax.models.weights``); this module only maps roles to specs. Linear weights are
-stored ``[in, out]``, so
-
-- ``"column"`` (Q, up/gate, fc1, the LM head) and ``"kv"`` (K, V) split their output
-  columns: ``P(None, "tp")``, their bias ``P("tp")``; each device computes its own heads /
-  MLP columns / vocabulary slice of the logits;
-- ``"row"`` (attention output, down, fc2) split their input rows: ``P("tp", None)``, their
-  bias is replicated (added once, after XLA's all-reduce of the partial sums);
-- ``"vocab"``: the token embedding ``[vocab, hidden]`` split over the vocabulary;
-- no role, and every plain array (norms, learned positions), is replicated.
+The family chooses every weight's role when it builds the params, and each weight class
+declares what each dimension of its arrays is (``AXES``, :mod:`paged_jax.weights.base`); the role
+names the axis the ``tp`` mesh axis splits (``ROLE_AXIS``: ``"column"`` and ``"kv"`` the output
+features, ``"row"`` the input features, ``"vocab"`` an embedding's rows). So a column-parallel
+``[in, out]`` weight is ``P(None, "tp")`` and its bias ``P("tp")``; a row-parallel one
+``P("tp", None)`` with its bias replicated (added once, after XLA's all-reduce of the partial
+sums); no role, and every plain array (norms, learned positions), is replicated. A new weight
+class is sharded by its declaration, with nothing to add here.
 
 A dimension that the mesh axis does not divide (e.g. a vocabulary of 517 over 4 devices)
 stays replicated: head counts are checked up front (``check_tensor_parallel``), vocabulary
@@ -24,18 +22,7 @@ import dataclasses
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 AXIS = "tp"
-COL, COL_BIAS, ROW = P(None, AXIS), P(AXIS), P(AXIS, None)
 REPLICATED = P()
-
-# role -> {field: spec}; fields not named are replicated
-ROLE_SPECS = {
-    # QuantizedLinear: values like w; scale / zero ([G_in, G_out]) split where the mesh divides their
-    # groups (any placement gives the same numbers: the step is written for the global arrays)
-    "column": {"w": COL, "b": COL_BIAS, "values": COL, "scale": COL, "zero": COL},
-    "kv": {"w": COL, "b": COL_BIAS, "values": COL, "scale": COL, "zero": COL},
-    "row": {"w": ROW, "values": ROW, "scale": ROW, "zero": ROW},
-    "vocab": {"table": ROW},
-}
 
 # The KV cache, per layer (k, v) each [num_blocks, block_size, num_kv_heads, head_dim]: split over KV heads.
 KV_CACHE_SPEC = P(None, None, AXIS, None)
@@ -50,15 +37,20 @@ def fit(spec: P, shape: tuple, tp: int) -> P:
 
 def weight_specs(weight, tp: int, replicate_kv: bool = False):
     """``weight`` (a weight object whose array fields have ``.shape``) with a PartitionSpec in
-    each array field. ``replicate_kv``: ``"kv"`` weights load replicated (their heads are
-    repeated afterwards, ``paged_jax.parallel.checkpoint.replicate_kv_heads``)."""
+    each array field: ``tp`` on the dimensions its class declares as the role's axis. ``replicate_kv``:
+    ``"kv"`` weights load replicated (their heads are repeated afterwards,
+    ``paged_jax.parallel.checkpoint.replicate_kv_heads``)."""
+    from paged_jax.weights import ROLE_AXIS
+
     role = None if replicate_kv and weight.parallel == "kv" else weight.parallel
-    specs = ROLE_SPECS.get(role, {})
+    split = ROLE_AXIS.get(role)
     out = {}
     for f in dataclasses.fields(weight):
         x = getattr(weight, f.name)
         if hasattr(x, "shape"):
-            out[f.name] = fit(specs.get(f.name, REPLICATED), tuple(x.shape), tp)
+            axes = type(weight).AXES.get(f.name, ())
+            spec = P(*(AXIS if split is not None and a == split else None for a in axes)) if axes else REPLICATED
+            out[f.name] = fit(spec, tuple(x.shape), tp)
     return dataclasses.replace(weight, **out)
 
 
@@ -66,7 +58,7 @@ def param_shardings(shapes_tree, mesh, replicate_kv: bool = False):
     """A NamedSharding per array of ``shapes_tree`` (params whose arrays are anything with ``.shape``)."""
     import jax
 
-    from paged_jax.models.weights import is_weight
+    from paged_jax.weights import is_weight
 
     tp = mesh.shape[AXIS]
 

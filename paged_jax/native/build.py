@@ -1,0 +1,171 @@
+"""Building the native library (once per machine, keyed by its sources, flags, jaxlib and CPU),
+registering its kernels with XLA's FFI, and saying which instruction-set paths it compiled in."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import shlex
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+from paged_jax import envs  # a leaf module: native imports nothing else of paged_jax
+
+logger = logging.getLogger("paged_jax")
+
+SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.cc", "linear.cc", "linear_int8.cc")]
+HEADERS = [Path(__file__).with_name(f) for f in ("parallel.h", "fp8.h")]
+TARGETS = {"float32": ("paged_jax_paged_attention_f32", "PagedAttentionF32"),
+           "bfloat16": ("paged_jax_paged_attention_bf16", "PagedAttentionBF16")}
+# float32 queries over an 8-bit KV cache with a float16 scale per token and head (paged_jax.attention.kv_quant),
+# by the cache array's dtype: int8 values, or fp8 e4m3 bits in uint8
+QUANTIZED_ATTENTION_TARGETS = {"int8": ("paged_jax_paged_attention_q8", "PagedAttentionQ8"),
+                            "uint8": ("paged_jax_paged_attention_fp8", "PagedAttentionFp8")}
+LINEAR_TARGET = ("paged_jax_linear_f32", "LinearF32")
+SUM_TARGET = ("paged_jax_sum_f32", "SumF32")
+# quantized weights against float32 activations, by the panels' dtype (uint8: int4, two to a byte)
+QUANTIZED_TARGETS = {"int8": ("paged_jax_linear_q8", "LinearQ8F32"), "uint8": ("paged_jax_linear_q4", "LinearQ4F32"),
+                     "float8_e4m3fn": ("paged_jax_linear_fp8", "LinearFp8F32")}
+INT8_TARGET = ("paged_jax_linear_i8i8", "LinearI8I8")  # W8A8: int8 activations x int8 weights
+PANEL_WIDTHS = (48, 32, 16)
+FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w"]
+
+
+def _flags() -> list[str]:
+    """FLAGS, then any from ``PAGED_JAX_NATIVE_FLAGS`` (e.g. ``-mno-avx512f`` for the portable loops)."""
+    return [*FLAGS, *envs.native_flags()]
+
+
+_lock = threading.Lock()
+# "ok": bool, "error": str, "library": path, "flags": str, "avx512_matmul", "vnni_matmul", "avx512_attention": bool
+_state: dict = {}
+# The kernels (by the names of KERNELS) this process has put into a computation. Which instruction
+# set each runs is fixed when the library is built (see paths()): together they say what a test run
+# exercised on the CPU it landed on.
+_traced: set = set()
+KERNELS = ("attention float32", "attention bfloat16", "attention int8 cache", "attention fp8 cache", "linear float32",
+           "linear int8", "linear int4", "linear fp8", "linear int8 x int8")
+CPU_ISA = ("avx2", "avx512f", "avx512_vnni")  # the extensions the kernels' paths are chosen by
+
+
+def _cpu_key() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line for line in f if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        flags = ""
+    return platform.machine() + flags
+
+
+def cpu_isa() -> list:
+    """Which of :data:`CPU_ISA` this CPU has (by ``/proc/cpuinfo``): a build for it (``-march=native``)
+    compiles the AVX-512 paths only with ``avx512f``, the int8 x int8 one only with ``avx512_vnni`` too."""
+    flags = set(_cpu_key().split())
+    return [f for f in CPU_ISA if f in flags]
+
+
+def _library_path() -> Path:
+    import jaxlib
+
+    h = hashlib.sha256()
+    for path in (*SOURCES, *HEADERS):
+        h.update(path.read_bytes())
+    for part in (" ".join(_flags()), jaxlib.__version__, _cpu_key()):
+        h.update(part.encode())
+    return envs.home() / "native" / f"paged_jax_native-{h.hexdigest()[:16]}.so"
+
+
+def _build(out: Path) -> None:
+    import jax.ffi
+
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
+    if not cxx:
+        raise RuntimeError("no C++ compiler found (set CXX, or install g++)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        cmd = [*shlex.split(cxx), *_flags(), f"-I{jax.ffi.include_dir()}", *map(str, SOURCES), "-o", tmp]
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+        if res.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed:\n{res.stderr[-2000:]}")
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o755 & ~umask)  # mkstemp made it private; others sharing the cache may load it
+        os.replace(tmp, out)  # atomic: a concurrent build of the same key is harmless
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def available() -> bool:
+    """Build (once per machine) and register the kernels; False, with a warning, if that fails."""
+    if not envs.native_enabled():
+        return False
+    with _lock:
+        if "ok" not in _state:
+            try:
+                import jax.ffi
+
+                path = _library_path()
+                if not path.is_file():
+                    _build(path)
+                lib = ctypes.cdll.LoadLibrary(str(path))
+                for target, symbol in (*TARGETS.values(), *QUANTIZED_ATTENTION_TARGETS.values(), LINEAR_TARGET, SUM_TARGET,
+                                       *QUANTIZED_TARGETS.values(), INT8_TARGET):
+                    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
+                _state.update(ok=True, library=str(path), flags=" ".join(_flags()),
+                              avx512_matmul=bool(lib.PagedJaxLinearAvx512()),
+                              vnni_matmul=bool(lib.PagedJaxLinearVnni()), avx512_attention=bool(lib.PagedJaxAttentionAvx512()))
+            except Exception as e:  # no compiler, a failed build, an FFI this jaxlib lacks: run the jnp path
+                _state.update(ok=False, error=str(e))
+                logger.warning("native CPU kernels unavailable, using XLA's (jnp decode attention, XLA "
+                               "matmuls): %s", e)
+        return _state["ok"]
+
+
+def status() -> dict:
+    """{"ok": ..., "library" or "error": ...} after :func:`available` was asked; once built, also
+    "flags" (the compiler's), "paths" (:func:`paths`), "traced" (the kernels this process has put
+    into a computation, sorted) and "cpu_isa" (:func:`cpu_isa`)."""
+    out = dict(_state)
+    if out.get("ok"):
+        out.update(paths=paths(), traced=sorted(_traced), cpu_isa=cpu_isa())
+    return out
+
+
+def paths() -> dict:
+    """Which code each kernel of the built library runs, compiled in or out by the instruction set
+    it was built for: {"attention", "linear float32", "linear quantized": "avx512" | "portable",
+    "linear int8 x int8": "vnni" | "portable"}; {} before a successful build."""
+    if not _state.get("ok"):
+        return {}
+    avx = {True: "avx512", False: "portable"}
+    return {"attention": avx[_state["avx512_attention"]], "linear float32": avx[_state["avx512_matmul"]],
+            "linear quantized": avx[_state["avx512_matmul"]],
+            "linear int8 x int8": "vnni" if _state["vnni_matmul"] else "portable"}
+
+
+def trace(kernel: str) -> None:
+    """Record that ``kernel`` (one of :data:`KERNELS`) was put into a computation."""
+    _traced.add(kernel)
+
+
+def loaded() -> bool:
+    """Whether the library was built and its kernels registered in this process (by :func:`available`).
+    The FFI wrappers call the kernels only then; otherwise they compute the same function in XLA."""
+    return bool(_state.get("ok"))
+
+
+def packs_weights() -> bool:
+    """Whether a runner on this CPU should pack its weights for :func:`linear`: the kernels are
+    built, with the matmul's AVX-512 tiles (its portable loops run slower than XLA's matmul)."""
+    return available() and bool(_state.get("avx512_matmul"))
+
+

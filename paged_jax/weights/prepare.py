@@ -1,0 +1,34 @@
+"""The one step that turns loaded weights into the weights the engine runs."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+from paged_jax import native
+from paged_jax.weights.methods.on_load import quantize_layers
+from paged_jax.weights.panels import to_panels
+
+logger = logging.getLogger("paged_jax")
+
+
+def prepare(params, platform: str, *, quantization: Optional[str] = None, tensor_parallel: bool = False,
+            native_kernels: bool = True):
+    """``params`` as the engine runs them on ``platform`` (JAX's: ``"cpu"``, ``"gpu"``, ...):
+
+    1. ``quantization`` (:data:`~paged_jax.weights.methods.QUANTIZE_ON_LOAD`): the layers' float
+       linear weights quantized as they load (sharded ones keep their shards);
+    2. on a CPU, with one device (``tensor_parallel`` False) and ``native_kernels`` where the
+       native library builds: the weights its matmuls take stored as panels
+       (:func:`~paged_jax.weights.panels.to_panels`): quantized ones always, float32 ones where the
+       float matmul has its AVX-512 tiles (its portable loops are slower than XLA's matmul).
+
+    Called once, where the engine loads the model: nothing after it repacks."""
+    if quantization is not None:
+        params = quantize_layers(params, quantization)
+    if platform == "cpu" and not tensor_parallel and native_kernels and native.available():
+        floats = native.packs_weights()
+        params = to_panels(params, floats=floats)
+        logger.info("weights stored for the native CPU matmuls (%s)", "float32 and quantized" if floats else
+                    "quantized only: the float32 matmul's AVX-512 tiles are not built here")
+    return params
