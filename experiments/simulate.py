@@ -78,12 +78,17 @@ class TraceResult:
 
 def build_engine(setup: Setup, system: str, block_size: int = 16, preemption_mode: Optional[str] = None,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2560, max_model_len: int = 2048,
-                 cost_params: CostParams = CostParams(), beam_gap: float = 1.0
-                 ) -> tuple[LLMEngine, SimulatedExecutor, SimClock]:
+                 cost_params: CostParams = CostParams(), beam_gap: float = 1.0, enable_chunked_prefill: bool = False,
+                 target_itl_ms: Optional[float] = None) -> tuple[LLMEngine, SimulatedExecutor, SimClock]:
+    """The real engine over the simulated executor. The paper's systems run whole prompts
+    (``enable_chunked_prefill=False``); with ``target_itl_ms`` (chunked prefill on) the scheduler
+    sizes chunks by :class:`paged_jax.step_cost.StepCostModel`, the real engine's model, fitted
+    online from the simulated step times."""
     if system not in SYSTEMS:
         raise ValueError(f"unknown system {system!r}; choose one of {sorted(SYSTEMS)}")
     config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, preemption_mode,
-                             enable_chunked_prefill=False, policy=SYSTEMS[system])  # the paper: whole prompts
+                             enable_chunked_prefill=enable_chunked_prefill, policy=SYSTEMS[system],
+                             target_itl_ms=target_itl_ms)
     bm = BlockManager(block_size, setup.num_gpu_blocks(block_size), setup.num_cpu_blocks(block_size))
     clock = SimClock()
     executor = SimulatedExecutor(CostModel(setup, block_size, paged=system == "vllm", params=cost_params), clock,

@@ -8,6 +8,7 @@ sequences' blocks.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -69,6 +70,7 @@ class LLMEngine:
         self.num_steps = 0
         self._pending_outputs: list[RequestOutput] = []
         self.timings = {"schedule": 0.0, "execute": 0.0, "process": 0.0, "detokenize": 0.0}
+        self._grammars = None  # structured output's GrammarCompiler, built for the first constrained request
 
     def warm_up(self, sampling_params: Union[None, SamplingParams, list[SamplingParams]] = None,
                 progress: bool = True) -> int:
@@ -114,7 +116,10 @@ class LLMEngine:
         if bad:
             raise ValueError(f"stop_token_ids hold ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}")
         self._check_fits(len(prompt_token_ids), sampling_params.max_tokens)
-        seq = Sequence(next(self._seq_counter), prompt_token_ids)
+        matcher = None
+        if sampling_params.structured_outputs is not None:  # compiled (or cached) before anything is queued
+            matcher = self.grammar_compiler.matcher(sampling_params.structured_outputs)
+        seq = Sequence(next(self._seq_counter), prompt_token_ids, matcher=matcher)
         seq.prefix_offset = max(len(prompt_token_ids) - 5, 0)
         seq.read_offset = len(prompt_token_ids)
         group = SequenceGroup(request_id, [seq], sampling_params,
@@ -125,6 +130,15 @@ class LLMEngine:
         if sampling_params.prompt_logprobs is not None:
             self._prompt_logprobs[request_id] = [None]
         self.scheduler.add_seq_group(group)
+
+    @property
+    def grammar_compiler(self):
+        """Structured output's compiler for this engine's tokenizer (built on first use)."""
+        if self._grammars is None:
+            from paged_jax.structured_output.grammar import GrammarCompiler
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_token_ids)
+        return self._grammars
 
     def _check_fits(self, prompt_len: int, max_tokens: Optional[int]) -> None:
         """Refuse up front a request whose prompt plus max_tokens can never fit in the KV cache, as
@@ -199,7 +213,10 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.num_steps += 1
         t1 = time.perf_counter()
-        result = self.runner.execute(out, [self._row_sampling(row) for row in out.scheduled], self.eos_token_id)
+        sampling = [self._row_sampling(row) for row in out.scheduled]
+        if self._grammars is not None:
+            sampling = self._attach_bitmasks(out.scheduled, sampling)
+        result = self.runner.execute(out, sampling, self.eos_token_id)
         t2 = time.perf_counter()
         self.timings["schedule"] += t1 - t0
         self.timings["execute"] += t2 - t1
@@ -277,6 +294,20 @@ class LLMEngine:
         prompt = p.prompt_logprobs if row.start_pos < seq.get_prompt_len() else None
         return RowSampling(p, seeds, p.logprobs, cands, prompt)
 
+    def _attach_bitmasks(self, scheduled: list[ScheduledSeq], sampling: list[RowSampling]) -> list[RowSampling]:
+        """Structured output: each constrained row that samples gets its grammar's token bitmask
+        (all of them computed in one parallel call), carried by a per-row copy of its params."""
+        rows = [i for i, row in enumerate(scheduled) if row.seq.matcher is not None and sampling[i].seeds]
+        if not rows:
+            return sampling
+        from paged_jax.structured_output.grammar import with_bitmask
+
+        masks = self._grammars.fill_bitmasks([scheduled[i].seq.matcher for i in rows])
+        sampling = list(sampling)
+        for k, i in enumerate(rows):
+            sampling[i] = dataclasses.replace(sampling[i], params=with_bitmask(sampling[i].params, masks[k]))
+        return sampling
+
     def _beam_step(self, group: SequenceGroup, rows: list) -> list[tuple[int, int]]:
         """Advance a beam search by one token: keep, fork and free beams through the block manager.
         Returns the device copies the forks need (none with block sharing)."""
@@ -348,8 +379,12 @@ class LLMEngine:
         try:
             seq.append_token_id(smp.token_id, smp.logprob, smp.logprobs)
             self.num_generated_tokens += 1
+            if seq.matcher is not None:
+                seq.matcher.accept(smp.token_id)
             new_text = self._detokenize(seq, group.sampling_params)
             check_stop(seq, group.sampling_params, new_text, self.eos_token_ids, self.scheduler_config.max_model_len)
+            if seq.matcher is not None and not seq.is_finished() and seq.matcher.is_finished:
+                seq.status = SequenceStatus.FINISHED_STOPPED  # the grammar is complete: as a stop
         except Exception as exc:
             self._fail_request(group, exc)
 

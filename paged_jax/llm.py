@@ -18,6 +18,8 @@ class LLM:
     a checkpoint written by ``paged-jax convert``; ``tensor_parallel_size=N`` splits the
     model over N devices. ``warm_up=True`` compiles the step shapes up front (greedy sampler;
     call ``llm.llm_engine.warm_up(sampling_params)`` for others).
+    ``target_itl_ms=T`` keeps the time between a running stream's tokens near T milliseconds
+    while prompts prefill (prefill chunks sized by a step-cost model fitted online).
     """
 
     def __init__(self, model: Optional[str] = None, tokenizer: Optional[str] = None, dtype: str = "auto",

@@ -8,7 +8,9 @@ their blocks and rerun them later; swap: move their blocks to host memory).
 Swapped requests come back before any new prompt is admitted. With chunked
 prefill, prompts are split so that one iteration never runs more than
 ``max_num_batched_tokens`` tokens, and a long prompt shares iterations with
-running decodes instead of stalling them.
+running decodes instead of stalling them. With a latency target
+(``target_itl_ms``), prefill chunks are sized each step so that the step's
+predicted time stays within it (:mod:`paged_jax.step_budget`).
 
 Which request is admitted next, the order running requests are served in, which
 one is preempted, and whether a request reserves KV space at admission are the
@@ -31,6 +33,8 @@ from typing import Optional
 from paged_jax.memory.block_manager import AllocStatus, BlockManager
 from paged_jax.policy import FCFS, Reservation, SchedulingPolicy
 from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
+from paged_jax.step_budget import StepBudget
+from paged_jax.step_cost import StepCostModel
 
 logger = logging.getLogger("paged_jax")
 
@@ -48,6 +52,7 @@ class SchedulerConfig:
     preemption_mode: Optional[str] = None  # None: recompute single-sequence groups, swap the others
     enable_chunked_prefill: bool = False
     policy: SchedulingPolicy = field(default_factory=FCFS)  # see paged_jax.policy
+    target_itl_ms: Optional[float] = None  # None: steps sized by max_num_batched_tokens alone
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
@@ -64,6 +69,18 @@ class SchedulerConfig:
                 f"max_num_batched_tokens ({self.max_num_batched_tokens}) must be >= max_model_len "
                 f"({self.max_model_len}) without chunked prefill, or a long prompt could never run; "
                 "raise it or set enable_chunked_prefill=True")
+        check_target_itl_ms(self.target_itl_ms, self.enable_chunked_prefill)
+
+
+def check_target_itl_ms(target, chunked: bool = True) -> None:
+    """ValueError naming a ``target_itl_ms`` that is not None or a positive number of milliseconds."""
+    if target is None:
+        return
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target < float("inf"):
+        raise ValueError(f"target_itl_ms must be None or a positive number of milliseconds, got {target!r}")
+    if not chunked:
+        raise ValueError(f"target_itl_ms={target!r} needs enable_chunked_prefill=True: the target sizes "
+                         "prefill chunks, and without chunking a prompt runs whole")
 
 
 @dataclass
@@ -104,18 +121,13 @@ class SchedulerOutput:
         return not self.scheduled and not self.blocks_to_swap_out and not self.blocks_to_swap_in
 
 
-@dataclass
-class _Budget:
-    """What is left of one iteration's limits."""
-
-    tokens: int  # max_num_batched_tokens minus the tokens scheduled so far
-    seqs: int  # max_num_seqs minus the sequences running so far
-
-
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, block_manager: BlockManager):
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 step_cost: Optional[StepCostModel] = None):
         self.config = config
         self.block_manager = block_manager
+        # With a latency target: the model predicting step times (fed by the engine with measured steps).
+        self.step_cost = step_cost if step_cost is not None or config.target_itl_ms is None else StepCostModel()
         self.policy = config.policy  # replaceable between steps (the throughput benchmark does)
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
@@ -157,7 +169,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         """Decide one iteration: running requests first, then swapped ones, then new ones."""
         out = SchedulerOutput()
-        budget = _Budget(self.config.max_num_batched_tokens, self.config.max_num_seqs)
+        c = self.config
+        budget = StepBudget(c.max_num_batched_tokens, c.max_num_seqs, self.block_manager.block_size,
+                            None if c.target_itl_ms is None else c.target_itl_ms / 1e3, self.step_cost)
         self._schedule_running(budget, out)
         # Swapped requests come back, and then new ones are admitted, only if nothing was
         # preempted this step; new ones only once no request is swapped out, and if the policy admits.
@@ -167,7 +181,7 @@ class Scheduler:
                 self._schedule_waiting(budget, out)
         return out
 
-    def _schedule_running(self, budget: _Budget, out: SchedulerOutput) -> None:
+    def _schedule_running(self, budget: StepBudget, out: SchedulerOutput) -> None:
         """Serve the running requests in the policy's order. When one's next tokens need
         blocks that are not free, preempt the policy's victims among those not served
         yet, or, when none is left, the request itself."""
@@ -197,7 +211,7 @@ class Scheduler:
             self._preempt(_take(others, self.policy.choose_victim(others), "choose_victim"), out)
         return True
 
-    def _schedule_swapped(self, budget: _Budget, out: SchedulerOutput) -> None:
+    def _schedule_swapped(self, budget: StepBudget, out: SchedulerOutput) -> None:
         """Bring swapped requests back, oldest first, while they fit."""
         while self.swapped:
             group = self.swapped[0]
@@ -218,7 +232,7 @@ class Scheduler:
                 seq.status = SequenceStatus.RUNNING
             self._run(group, n_seqs, budget, out)
 
-    def _schedule_waiting(self, budget: _Budget, out: SchedulerOutput) -> None:
+    def _schedule_waiting(self, budget: StepBudget, out: SchedulerOutput) -> None:
         """Admit new requests in the policy's order until one does not fit now: it waits,
         and no request overtakes it. Requests that can never run are rejected."""
         while self.waiting:
@@ -248,7 +262,7 @@ class Scheduler:
                 self._reject(group, f"prompt of {seq.get_len()} tokens does not fit in the KV cache "
                                     "left free by pinned prefixes", out)
                 continue
-            if not self._prompt_fits(group, seq, budget.tokens, out):
+            if not self._prompt_fits(group, seq, budget, out):
                 return
             _take(self.waiting, group, "next_waiting")
             self.block_manager.allocate(group, use_prefix_cache=use_prefix_cache, reserve_tokens=reserve)
@@ -257,47 +271,45 @@ class Scheduler:
             self._run(group, n_seqs, budget, out)
 
     # ---- helpers -------------------------------------------------------------
-    def _run(self, group: SequenceGroup, n_seqs: int, budget: _Budget, out: SchedulerOutput) -> None:
+    def _run(self, group: SequenceGroup, n_seqs: int, budget: StepBudget, out: SchedulerOutput) -> None:
         """``group`` (``n_seqs`` sequences, counting samples yet to fork) runs this step."""
-        budget.tokens -= self._schedule_rows(group, budget.tokens, out)
+        self._schedule_rows(group, budget, out)
         budget.seqs -= n_seqs
         self.running.append(group)
 
-    def _schedule_rows(self, group: SequenceGroup, budget: int, out: SchedulerOutput) -> int:
-        """Schedule the running sequences of ``group`` within ``budget`` tokens; return the tokens used.
+    def _schedule_rows(self, group: SequenceGroup, budget: StepBudget, out: SchedulerOutput) -> None:
+        """Schedule the running sequences of ``group`` within ``budget``.
 
         Each sequence runs its uncomputed tokens (one for a decode; a prompt, or
         with chunked prefill as much of it as the budget allows). Its block table
         first grows to cover them, copying a shared last block (copy-on-write).
         """
-        used = 0
         seqs = group.get_seqs(SequenceStatus.RUNNING)
-        if group.beam is not None and len(seqs) > 1 and sum(s.num_uncomputed_tokens for s in seqs) > budget:
-            return 0  # beams advance together: all of them this step or none
+        beams = group.beam is not None and len(seqs) > 1
+        if beams and sum(s.num_uncomputed_tokens for s in seqs) > budget.tokens:
+            return  # beams advance together: all of them this step or none (whole rows, never cut)
         for seq in seqs:
-            need = seq.num_uncomputed_tokens
-            n = min(need, budget - used) if self.config.enable_chunked_prefill else need
-            if n <= 0 or n > budget - used:
+            n = budget.take(seq.num_uncomputed_tokens, seq.num_computed_tokens,
+                            self.config.enable_chunked_prefill and not beams)
+            if n == 0:
                 break
             cow = self.block_manager.append_slot(seq)
             if cow is not None:
                 out.blocks_to_copy.append(cow)
             out.scheduled.append(ScheduledSeq(seq, group, n, self.block_manager.get_block_table(seq)))
-            used += n
-        return used
 
-    def _prompt_fits(self, group: SequenceGroup, seq: Sequence, tokens_left: int, out: SchedulerOutput) -> bool:
+    def _prompt_fits(self, group: SequenceGroup, seq: Sequence, budget: StepBudget, out: SchedulerOutput) -> bool:
         """Whether a waiting group's prompt can start this step: with chunked prefill, if
-        any token budget is left; without, if all of it fits (all of a recomputed beam
+        any of the step's budget is left for it; without, if all of it fits (all of a recomputed beam
         group's beams; an upper bound, as a prefix-cache hit runs fewer tokens) or if
         nothing else runs."""
         if self.config.enable_chunked_prefill:
-            return tokens_left > 0
+            return budget.prompt_may_start()
         if group.beam is None:
             num_tokens = seq.get_len()
         else:
             num_tokens = sum(s.get_len() for s in group.get_seqs(SequenceStatus.WAITING))
-        return num_tokens <= tokens_left or not out.scheduled
+        return num_tokens <= budget.tokens or not out.scheduled
 
     def _reject_reason(self, group: SequenceGroup, seq: Sequence) -> Optional[str]:
         best_of = group.sampling_params.best_of
