@@ -49,7 +49,7 @@ def weight_specs(weight, tp: int, replicate_kv: bool = False):
         x = getattr(weight, f.name)
         if hasattr(x, "shape"):
             axes = type(weight).AXES.get(f.name, ())
-            spec = P(*(AXIS if split is not None and a == split else None for a in axes)) if axes else REPLICATED
+            spec = P(*(AXIS if a == split else None for a in axes)) if split in axes else REPLICATED
             out[f.name] = fit(spec, tuple(x.shape), tp)
     return dataclasses.replace(weight, **out)
 
