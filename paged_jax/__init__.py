@@ -2,6 +2,7 @@
 
 from paged_jax.outputs import CompletionOutput, RequestOutput
 from paged_jax.sampling_params import SamplingParams
+from paged_jax.structured_output import StructuredOutputsParams
 
 __version__ = "0.1.0"
 
@@ -18,4 +19,4 @@ def __getattr__(name):  # LLM and LLMEngine import JAX: load them on first use
     raise AttributeError(f"module 'paged_jax' has no attribute {name!r}")
 
 
-__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "LLMEngine", "EngineArgs", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]

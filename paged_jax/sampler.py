@@ -140,6 +140,14 @@ def _orderable(x):
     return jnp.where((b >> 31) == 1, ~b, b | jnp.uint32(0x80000000))
 
 
+def _apply_bitmask(logits, bitmask):
+    """Structured output: token t stays where bit t % 32 of ``bitmask[:, t // 32]`` is set."""
+    S, V = logits.shape
+    bits = (bitmask[:, :, None] >> jnp.arange(32, dtype=jnp.int32)) & 1  # [S, W, 32], low bit first
+    allowed = bits.reshape(S, -1)[:, :V] != 0
+    return jnp.where(allowed, logits, -jnp.inf)
+
+
 def _apply_top_k(logits, top_k):
     S, V = logits.shape
     keys = _orderable(logits)
@@ -239,6 +247,8 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
     if t.temperature.shape[0] != S:
         raise ValueError(f"logits have {S} rows but the sampling tensors {t.temperature.shape[0]}")
     logits = _ban(logits.astype(jnp.float32), t.banned_token_ids)
+    if t.token_bitmask.shape[1]:  # static: only steps with a constrained row pay for the mask
+        logits = _apply_bitmask(logits, t.token_bitmask)
     if t.do_penalties:
         logits = _apply_penalties(logits, t)
     if t.all_greedy:

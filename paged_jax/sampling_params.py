@@ -31,6 +31,8 @@ from typing import Optional, Union
 
 import numpy as np
 
+from paged_jax.structured_output.params import StructuredOutputsParams
+
 _SAMPLING_EPS = 1e-5
 MAX_LOGPROBS = 20
 
@@ -114,6 +116,8 @@ class SamplingParams:
         prompt_logprobs: None or in [0, 20]: the same for prompt tokens.
         skip_special_tokens: drop special tokens when detokenizing.
         spaces_between_special_tokens: as in vLLM's detokenizer.
+        structured_outputs: a :class:`StructuredOutputsParams`: the output must match a JSON
+            schema, a regex, a choice or a grammar (not with beam search).
     """
 
     n: int = 1
@@ -139,6 +143,7 @@ class SamplingParams:
     prompt_logprobs: Optional[int] = None
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
+    structured_outputs: Optional[StructuredOutputsParams] = None
 
     def __post_init__(self) -> None:
         self._check_types_and_ranges()
@@ -221,6 +226,9 @@ class SamplingParams:
             if v is not None and not 0 <= v <= MAX_LOGPROBS:
                 raise ValueError(f"{name} must be None or in [0, {MAX_LOGPROBS}] (max_logprobs), got {v}")
             setattr(self, name, v)
+        if self.structured_outputs is not None and not isinstance(self.structured_outputs, StructuredOutputsParams):
+            raise ValueError(f"structured_outputs must be a StructuredOutputsParams or None, "
+                             f"got {type(self.structured_outputs).__name__}")
 
     @staticmethod
     def _normalise_stop(stop) -> list[str]:
@@ -265,6 +273,9 @@ class SamplingParams:
             raise ValueError(f"top_k must be -1 when using beam search, got {self.top_k}")
         if self.min_p > _SAMPLING_EPS:
             raise ValueError(f"min_p must be 0 when using beam search, got {self.min_p}")
+        if self.structured_outputs is not None:
+            raise ValueError("structured_outputs is not supported with use_beam_search=True: "
+                             "use sampling (n / best_of) to constrain several outputs")
 
     def _verify_non_beam_search(self) -> None:
         if self.early_stopping is not False:

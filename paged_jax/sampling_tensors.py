@@ -47,7 +47,9 @@ class SamplingTensors:
         argmax), key_data u32[S, 2] (threefry key words), key_offset u32[S]
         (folded into the key), prompt_token_ids i32[S, Lp] and output_token_ids
         i32[S, Lo] (for penalties, PAD_ID-padded), banned_token_ids i32[S, B]
-        (logit set to -inf; min_tokens).
+        (logit set to -inf; min_tokens), token_bitmask i32[S, ceil(V / 32)] (structured output:
+        bit t % 32 of word t // 32 clear = token t banned; all bits set on unconstrained rows),
+        or i32[S, 0] when no row is constrained (the sampler then skips it: the shape is static).
     Meta fields (static, part of the tree structure, so part of the jit key):
         all_greedy, do_penalties, do_top_k, do_top_p, do_min_p, num_top.
     Padded rows are greedy with no penalties or truncation; their outputs are
@@ -67,6 +69,7 @@ class SamplingTensors:
     prompt_token_ids: Any
     output_token_ids: Any
     banned_token_ids: Any
+    token_bitmask: Any
     all_greedy: bool = True
     do_penalties: bool = False
     do_top_k: bool = False
@@ -125,10 +128,16 @@ class SamplingTensors:
         unseeded_words = _key_words(splitmix64(splitmix64(engine_seed & _M64) ^ (step & _M64)))
 
         prompt_lists, output_lists, ban_lists = [], [], []
+        mask_rows = {}
         want_top = 0
         for i, (params, seed, prompt_ids, output_ids) in enumerate(rows):
             is_greedy = params.use_beam_search or params.temperature < _SAMPLING_EPS
             greedy[i] = is_greedy
+            # A constrained row's mask rides on its row's params (a per-row copy made by the engine,
+            # see paged_jax.structured_output.grammar.with_bitmask), so executors pass it through.
+            row_mask = getattr(params, "token_bitmask", None)
+            if row_mask is not None:
+                mask_rows[i] = row_mask
             if params.use_beam_search:
                 want_top = max(want_top, 2 * params.best_of)
             want_top = max(want_top, params.logprobs or 0)
@@ -173,6 +182,11 @@ class SamplingTensors:
                     out[i, : len(ids)] = np.asarray(ids, np.int32)
             return out
 
+        token_bitmask = np.zeros((S, 0), np.int32)
+        if mask_rows:
+            token_bitmask = np.full((S, (V + 31) // 32), -1, np.int32)
+            for i, row_mask in mask_rows.items():
+                token_bitmask[i] = row_mask
         real = slice(0, n)
         if num_top is None:
             num_top = _pow2_bucket(want_top, 1)
@@ -181,7 +195,7 @@ class SamplingTensors:
             presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repetition,
             greedy=greedy, key_data=key_data, key_offset=key_offset,
             prompt_token_ids=pack(prompt_lists), output_token_ids=pack(output_lists),
-            banned_token_ids=pack(ban_lists),
+            banned_token_ids=pack(ban_lists), token_bitmask=token_bitmask,
             all_greedy=bool(greedy.all()),
             do_penalties=bool((presence[real] != 0).any() or (frequency[real] != 0).any()
                               or (repetition[real] != 1).any()),

@@ -54,6 +54,9 @@ class Sequence:
     sample_index: int = 0  # which of the request's samples this is (seeds sample i independently)
     stop_reason: Optional[Any] = None
     beam_score: Optional[float] = None  # a finished beam-search hypothesis: its length-penalised score
+    # Structured output: this sequence's position in its grammar (a structured_output SequenceMatcher).
+    # Its tokens survive preemption (recompute reruns them), so it is only ever advanced.
+    matcher: Any = None
     # Incremental detokenizer offsets into get_token_ids() (set by the engine).
     prefix_offset: int = 0
     read_offset: int = 0
@@ -103,6 +106,7 @@ class Sequence:
             output_text=self.output_text,
             num_computed_tokens=self.num_computed_tokens,
             sample_index=sample_index,
+            matcher=None if self.matcher is None else self.matcher.fork(),
             prefix_offset=self.prefix_offset,
             read_offset=self.read_offset,
         )

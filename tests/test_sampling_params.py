@@ -111,6 +111,7 @@ BAD = [
     (dict(length_penalty=0.5), "length_penalty", "0.5"),
     (dict(early_stopping=True), "early_stopping", "True"),
     (dict(early_stopping="never"), "early_stopping", "'never'"),
+    (dict(structured_outputs={"regex": "a+"}), "structured_outputs", "got dict"),
 ]
 
 
