@@ -88,6 +88,8 @@ def check_valid(kind: str, text: str, tokenizer, token_ids) -> None:
         assert re.fullmatch(REGEX, text), text
     elif kind == "choice":
         assert text in CHOICE, text
+        # Once the grammar admits nothing more the request ends there, as a stop (no step for EOS).
+        assert tokenizer.eos_token_id not in token_ids, token_ids
     else:
         assert grammar_accepts(tokenizer, llguidance.grammar_from("lark", GRAMMAR), token_ids), text
 
@@ -166,7 +168,7 @@ def test_sampler_applies_the_bitmask_per_row(tokenizer):
     m2 = c.matcher(StructuredOutputsParams(regex=REGEX))
     for t in tokenizer.encode('{"name": "a', add_special_tokens=False):
         m1.accept(t)
-    masks = c.fill_bitmasks([m1, m2])
+    masks = c.fill_bitmasks([m2, m1])  # the greedy row: digits only; the sampled row: inside a JSON string
     rng = np.random.default_rng(0)
     logits = rng.normal(size=(4, V)).astype(np.float32)
     greedy, sampled = SamplingParams(temperature=0), SamplingParams(temperature=1.0, seed=3)
