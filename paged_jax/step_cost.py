@@ -5,7 +5,8 @@ will cost before it runs it: running streams get their next token once per step,
 so a step's time is the gap they see. A step's time is modelled as a weighted sum
 of what it holds (:class:`StepLoad`)::
 
-    seconds = c_step + c_row * rows + c_token * max(padded_tokens, knee)
+    seconds = c_step + c_row * rows
+              + c_token * min(padded_tokens, knee) + c_token_past_knee * max(padded_tokens - knee, 0)
               + c_decode_context * cached tokens read by decode rows
               + c_prefill_pair * query-key pairs of prefill rows
 
@@ -14,10 +15,11 @@ pads a step to a power-of-two bucket, so a chunk that spills into the next bucke
 costs that bucket); the pairs of a prefill chunk of ``q`` tokens after ``c`` cached
 ones are ``q * (c + (q + 1) / 2)`` (causal). These are the terms of the simulator's
 roofline (``experiments/cost_model.py``) that grow with a step's contents. The
-``knee`` is the roofline's ridge: below it the layers' time is reading the weights,
-whatever the tokens (a GPU at small batches), above it their FLOPs; on a CPU it is
-small. The coefficients and the knee (from :data:`KNEES`, the best fit) are what is
-fitted, since they depend on the machine and the model.
+token term bends at a ``knee``: on a GPU it is the roofline's ridge (below it the
+layers' time is reading the weights, whatever the tokens: ``c_token`` near 0; above
+it their FLOPs); on a CPU a token costs more in a small step than in a large one
+(``c_token > c_token_past_knee``). The coefficients and the knee (from :data:`KNEES`,
+the best fit) are what is fitted, since they depend on the machine and the model.
 
 The fit is a non-negative least squares on relative errors (a 5 ms decode step
 counts as much as a 300 ms prefill), made robust (:func:`robust_nnls`: a least-median
@@ -39,7 +41,7 @@ from typing import Callable, Iterable, Optional
 
 import numpy as np
 
-TERMS = ("step", "row", "token", "decode_context", "prefill_pair")
+TERMS = ("step", "row", "token", "token_past_knee", "decode_context", "prefill_pair")
 KNEES = (1, 16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024)  # tried as the roofline's ridge
 
 
@@ -88,13 +90,15 @@ class StepCostModel:
 
     def __init__(self, padded_tokens: Optional[Callable[[int, int], int]] = None, window: int = 128,
                  refit_every: int = 16, min_observations: int = 4):
+        import scipy.optimize  # noqa: F401  (imported now, not by the first fit in the middle of serving)
+
         self.padded_tokens = padded_tokens or (lambda tokens, rows: tokens)
         self.refit_every, self.min_observations = refit_every, min_observations
         self._decode: deque = deque(maxlen=window)  # (features, seconds) of decode-only steps
         self._mixed: deque = deque(maxlen=window)  # ... of steps with prefill tokens
         self._since_fit = 0
         self.coefficients: Optional[np.ndarray] = None  # seconds per unit of each of TERMS
-        self.knee = 1  # tokens below which the token term is flat (see the module's docstring)
+        self.knee = 1  # padded tokens where the token term bends (see the module's docstring)
         self.num_observations = 0
         self.num_rejected = 0  # measurements refused (not a positive finite number of seconds)
         self._errors: deque = deque(maxlen=window)  # |predicted - measured| / measured, before each fit saw it
@@ -102,7 +106,8 @@ class StepCostModel:
 
     # ---- prediction ------------------------------------------------------------
     def features(self, load: StepLoad) -> np.ndarray:
-        """The terms' amounts, the token term before the knee is applied (see :func:`with_knee`)."""
+        """The amounts of step, row, padded tokens, decode context, prefill pairs (:func:`with_knee` splits
+        the tokens at the knee into the two token terms)."""
         return np.array([1.0, load.rows, self.padded_tokens(load.tokens, load.rows) if load.rows else 0,
                          load.decode_context, load.prefill_pairs], dtype=float)
 
@@ -132,12 +137,14 @@ class StepCostModel:
         self._chunks.extend(load.prefill_chunks)
         self.num_observations += 1
         self._since_fit += 1
-        # Refit every refit_every steps, and at every step until calibrated (few steps, cheap).
-        if self._since_fit >= self.refit_every or (self.coefficients is None and self._enough()):
+        # Refit every refit_every steps; more often while the model has seen few (each fit then is cheap).
+        every = self.refit_every if self.num_observations >= 8 * self.refit_every else max(1, self.refit_every // 4)
+        if self._since_fit >= every or (self.coefficients is None and self._enough()):
             self.fit()
 
-    def _enough(self) -> bool:
-        return min(len(self._decode), len(self._mixed)) >= self.min_observations
+    def _enough(self, least: Optional[int] = None) -> bool:
+        """Whether at least ``least`` (default ``min_observations``) steps of each kind are kept."""
+        return min(len(self._decode), len(self._mixed)) >= (least or self.min_observations)
 
     def fit(self) -> None:
         """Refit the coefficients on the kept steps (nothing happens until there are enough)."""
@@ -178,11 +185,11 @@ class StepCostModel:
 
 
 def with_knee(x: np.ndarray, knee: int) -> np.ndarray:
-    """Features with the token term (column 2) raised to at least ``knee`` (where rows exist)."""
-    x = np.array(x, dtype=float)
-    t = x[..., 2]
-    x[..., 2] = np.where(t > 0, np.maximum(t, knee), 0.0)
-    return x
+    """The terms of :data:`TERMS` from :meth:`StepCostModel.features`: the tokens (column 2) split
+    into those up to ``knee`` and those past it."""
+    x = np.asarray(x, dtype=float)
+    t = x[..., 2:3]
+    return np.concatenate([x[..., :2], np.minimum(t, knee), np.maximum(t - knee, 0), x[..., 3:]], axis=-1)
 
 
 def nnls_fit(a: np.ndarray, target: np.ndarray) -> tuple[np.ndarray, float]:
@@ -229,30 +236,37 @@ def robust_nnls(x: np.ndarray, y: np.ndarray, tuning: float = 4.685, iterations:
 
 def calibrate(engine, max_rounds: int = 4) -> bool:
     """Calibrate ``engine``'s step-cost model before serving (``LLMEngine.warm_up`` calls it when a
-    latency target is set): run short internal requests, prompts of several lengths prefilling beside
-    decodes and then decodes alone, until the model has seen enough steps of both kinds (steps that
-    compile are not counted, so a round after warm-up's compilation is usually enough). Runs only on
-    an idle engine; returns whether the model is calibrated."""
+    latency target is set) and return whether it is calibrated. Runs short internal requests on an
+    idle engine, the target set aside meanwhile so that steps span the whole token budget: prompts
+    from two blocks to the budget, one arriving per step beside the decodes of the earlier ones (mixed
+    steps of every size), one of them past the budget (a chunk after a long context), then the decodes
+    alone. Steps that compile are not counted: after warm-up's compilation one round is usually enough."""
     from paged_jax.sampling_params import SamplingParams
 
     cost = engine.scheduler.step_cost
     if cost is None or engine.has_unfinished_requests():
         return cost is not None and cost.calibrated
     c, bm = engine.scheduler_config, engine.block_manager
-    n = max(1, min(c.max_num_seqs, 8))
-    # Prompts up to three uncalibrated steps long, all of them together in at most half the KV cache.
-    longest = max(2, min(c.max_model_len - 9, 3 * c.max_num_batched_tokens,
-                         bm.get_num_free_gpu_blocks() * bm.block_size // n - 9))
-    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
-    for r in range(max_rounds):
-        ids = [f"__calibrate_{r}_{i}" for i in range(n)]
-        for i, rid in enumerate(ids):
-            size = max(2, longest * (i + 1) // n)
-            # Distinct ids per round and request, so that prefix caching does not skip the work.
-            engine.add_request(rid, None, params, [(r * 7919 + i * 104729 + j) % engine.vocab_size
-                                                   for j in range(size)])
-        while engine.has_unfinished_requests():
-            engine.step()
-        if cost.calibrated:
-            break
+    room = bm.get_num_free_gpu_blocks() * bm.block_size // 2  # use at most half the KV cache
+    top = max(2, min(c.max_num_batched_tokens, c.max_model_len - 17))
+    sizes = sorted({int(x) for x in np.geomspace(2 * bm.block_size, top, 8) if x >= 2})[:c.max_num_seqs]
+    sizes.append(min(2 * c.max_num_batched_tokens, c.max_model_len - 17))
+    while len(sizes) > 1 and sum(sizes) + 16 * len(sizes) > room:
+        sizes.pop()
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    target, c.target_itl_ms = c.target_itl_ms, None
+    try:
+        for r in range(max_rounds):
+            for i, size in enumerate(sizes):
+                # Token ids distinct per round and request, so that prefix caching does not skip the work.
+                engine.add_request(f"__calibrate_{r}_{i}", None, params,
+                                   [(r * 7919 + i * 104729 + j) % engine.vocab_size for j in range(max(2, size))])
+                engine.step()
+            while engine.has_unfinished_requests():
+                engine.step()
+            if cost._enough(2 * cost.min_observations):
+                break
+    finally:
+        c.target_itl_ms = target
+    cost.fit()
     return cost.calibrated
