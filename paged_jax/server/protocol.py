@@ -68,6 +68,8 @@ class _SamplingFields(_Request):
     use_beam_search: Optional[bool] = None
     length_penalty: Optional[float] = None
     early_stopping: Union[bool, Literal["never"], None] = None
+    # {"json": schema} | {"regex": ...} | {"choice": [...]} | {"grammar": ...} | {"json_object": true}
+    structured_outputs: Optional[dict[str, Any]] = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -30,6 +30,7 @@ from paged_jax.server.prompts import PromptBuilder
 from paged_jax.server.protocol import SAMPLING_FIELDS, APIError, ChatCompletionRequest, CompletionRequest
 from paged_jax.server.responses import (ChoiceState, chat_logprobs, completion_logprobs, merge_logprobs,
                                         prompt_logprobs_legacy, sse)
+from paged_jax.structured_output import StructuredOutputsParams
 
 _FIELD_RE = re.compile(r"^(\w+)")
 _DISCONNECTED = object()  # put in a request's output queue when its client goes away
@@ -86,14 +87,16 @@ class OpenAIServing:
         name = m.group(1) if m else None
         if rename and name in rename:
             return rename[name]
-        return name if name in SAMPLING_FIELDS + ("logprobs", "prompt") else None
+        return name if name in SAMPLING_FIELDS + ("logprobs", "prompt", "structured_outputs") else None
 
     def _sampling_params(self, req, max_tokens: Optional[int], logprobs: Optional[int],
-                         rename: Optional[dict] = None, prompt_logprobs: Optional[int] = None) -> SamplingParams:
+                         rename: Optional[dict] = None, prompt_logprobs: Optional[int] = None,
+                         structured_outputs: Optional[StructuredOutputsParams] = None) -> SamplingParams:
         kw = {f: getattr(req, f) for f in SAMPLING_FIELDS if getattr(req, f) is not None}
         kw["max_tokens"] = max_tokens
         kw["logprobs"] = logprobs
         kw["prompt_logprobs"] = prompt_logprobs
+        kw["structured_outputs"] = structured_outputs
         try:
             params = SamplingParams(**kw)  # the one place values are validated
         except ValueError as exc:
@@ -107,6 +110,41 @@ class OpenAIServing:
         if req.logit_bias:
             raise APIError("logit_bias is not supported by this server", 400, param="logit_bias")
         return params
+
+    async def _structured_outputs(self, req, response_format: Optional[dict] = None
+                                  ) -> tuple[Optional[StructuredOutputsParams], str]:
+        """The request's constraint (vLLM's ``structured_outputs`` or, on chat, OpenAI's
+        ``response_format``) and the field it came from, compiled off the event loop (the engine
+        then finds it in its cache). Bad input gets 400 naming what is wrong."""
+        field, spec = "structured_outputs", None
+        if response_format is not None and response_format.get("type") != "text":
+            if req.structured_outputs is not None:
+                raise APIError("give either response_format or structured_outputs, not both", 400,
+                               param="response_format")
+            field, kind = "response_format", response_format.get("type")
+            if kind == "json_object":
+                spec = {"json_object": True}
+            elif kind == "json_schema":
+                inner = response_format.get("json_schema")
+                schema = inner.get("schema") if isinstance(inner, dict) else None
+                if schema is None:
+                    raise APIError("response_format of type json_schema needs json_schema.schema (a JSON schema "
+                                   "object), e.g. {'type': 'json_schema', 'json_schema': {'name': 'x', "
+                                   "'schema': {...}}}", 400, param=field)
+                spec = {"json": schema}
+            else:
+                raise APIError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                               400, param=field)
+        elif req.structured_outputs is not None:
+            spec = req.structured_outputs
+        if spec is None:
+            return None, field
+        try:
+            params = StructuredOutputsParams.from_dict(spec)
+            await asyncio.to_thread(self.engine.engine.grammar_compiler.matcher, params)
+        except (TypeError, ValueError) as exc:
+            raise APIError(f"{field}: {exc}" if field == "response_format" else str(exc), 400, param=field) from None
+        return params, field
 
     def _check_length(self, num_prompt: int, max_tokens: Optional[int], field: str) -> None:
         if num_prompt >= self.max_model_len:
@@ -265,8 +303,10 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.suffix:
             raise APIError("suffix is not supported by this server", 400, param="suffix")
+        structured, _ = await self._structured_outputs(req)
         params = self._sampling_params(req, req.max_tokens, req.logprobs,
-                                       prompt_logprobs=req.logprobs if req.echo else None)
+                                       prompt_logprobs=req.logprobs if req.echo else None,
+                                       structured_outputs=structured)
         prompts = await self.prompts.completion(req.prompt)
         for _, ids in prompts:
             self._check_length(len(ids), params.max_tokens, "prompt")
@@ -321,13 +361,14 @@ class OpenAIServing:
         self.check_model(req.model)
         if req.tools or (req.tool_choice not in (None, "none")):
             raise APIError("tools are not supported by this server", 400, param="tools")
-        if req.response_format and req.response_format.get("type") != "text":
-            raise APIError("only response_format {'type': 'text'} is supported", 400, param="response_format")
         if req.top_logprobs is not None and not req.logprobs:
             raise APIError("top_logprobs needs logprobs=true", 400, param="top_logprobs")
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         top = (req.top_logprobs or 0) if req.logprobs else None
-        params = self._sampling_params(req, max_tokens, top, rename={"logprobs": "top_logprobs"})
+        structured, field = await self._structured_outputs(req, req.response_format)
+        params = self._sampling_params(req, max_tokens, top, rename={"logprobs": "top_logprobs",
+                                                                     "structured_outputs": field},
+                                       structured_outputs=structured)
         text, ids = await self.prompts.chat(req)
         self._check_length(len(ids), params.max_tokens, "messages")
         rid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
