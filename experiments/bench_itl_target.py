@@ -11,8 +11,9 @@ prompt arrives and runs to its first token. One process, side by side:
   median step of the streams alone), for each k of ``--multiples``. The step-cost model is
   calibrated first (``paged_jax.step_cost.calibrate``, what ``warm_up`` runs).
 
-Each configuration runs the scenario twice on one engine (the first compiles the shapes it reaches)
-and reports the second. Printed: the streams' longest and p99 gap during the long prefill over their
+Each configuration runs the scenario on one engine until a run compiles nothing (the first compiles
+the shapes it reaches; a target's chunk sizes may reach new ones later), at most 4 times, and reports
+the last run. Printed: the streams' longest and p99 gap during the long prefill over their
 median gap before it, the same gaps over the target, the long prompt's time to first token over its
 time alone (the prompt alone on the no-target engine, its default budget), the steps it took, the
 cost model's median prediction error and its median prefill chunk.
@@ -49,12 +50,18 @@ def run(a) -> list[dict]:
             rng = np.random.default_rng(0)
             vocab = engine.model_config.vocab_size
             runs, alone = [], []
-            for rep in range(2):  # the first compiles the shapes it reaches
+            for rep in range(4):  # until a run compiles nothing (the first compiles the shapes it reaches)
                 prompt = rng.integers(3, vocab, size=a.prompt_len).tolist()
+                before = engine.runner.num_compilations
                 runs.append(stutter_run(engine, a.streams, prompt, a.before_steps, a.after_steps, rng, f"r{rep}"))
+                compiled = engine.runner.num_compilations - before
                 if k is None:
                     alone.append(stutter_alone(engine, prompt, f"r{rep}"))
-            r = dict(multiple=k, target_ms=target, budget=engine.scheduler_config.max_num_batched_tokens, **runs[-1])
+                    compiled = engine.runner.num_compilations - before
+                if rep and not compiled:
+                    break
+            r = dict(multiple=k, target_ms=target, budget=engine.scheduler_config.max_num_batched_tokens, **runs[-1],
+                     runs=rep + 1, compiled_in_reported_run=compiled)
             if k is None:
                 decode_ms, alone_s = 1e3 * r["decode_step_s"], alone[-1]
             r["ttft_alone_s"] = alone_s
@@ -74,8 +81,9 @@ def report(rows: list[dict], a) -> str:
     lines = [f"{a.streams} streams decoding, a {a.prompt_len:,}-token prompt arrives (GPT-2-shaped: 512 wide, "
              f"8 layers; float32; CPU). Decode step alone: {decode_ms:.1f} ms.", "",
              "| mode | target (ms) | max gap / median before | p99 gap / median | max gap / target | p99 gap / target "
-             "| TTFT (s) | TTFT / alone | prefill steps | mixed step (ms) | prediction error | median chunk |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| TTFT (s) | TTFT / alone | prefill steps | mixed step (ms) | prediction error | median chunk "
+             "| runs (compiles in the last) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         med = r["median_gap_before_s"]
         if r["target_ms"] is None:
@@ -88,7 +96,8 @@ def report(rows: list[dict], a) -> str:
         chunk = f"{r['median_chunk']:.0f}" if r.get("median_chunk") is not None else "-"
         lines.append(f"| {mode} | {tgt} | {r['max_gap_during_s'] / med:.1f}x | {r['p99_gap_during_s'] / med:.1f}x "
                      f"| {vs[0]} | {vs[1]} | {r['ttft_s']:.2f} | {r['ttft_s'] / r['ttft_alone_s']:.2f} "
-                     f"| {r['prefill_steps']} | {1e3 * r['mixed_step_s']:.1f} | {err} | {chunk} |")
+                     f"| {r['prefill_steps']} | {1e3 * r['mixed_step_s']:.1f} | {err} | {chunk} "
+                     f"| {r['runs']} ({r['compiled_in_reported_run']}) |")
     return "\n".join(lines)
 
 

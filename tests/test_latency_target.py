@@ -325,3 +325,26 @@ def test_real_engine_with_a_target_gives_the_same_greedy_tokens(tiny_llama_dir):
     assert stats["target_itl_ms"] == 0.5 and cost["calibrated"] and cost["num_observations"] > 10
     # Calibrated, the target left room for no chunk: each prompt went on one block (16 tokens) per step.
     assert max(chunks) == 16 and sum(chunks) == sum(map(len, prompts)), chunks
+
+
+def test_metrics_show_the_target_coefficients_error_and_chunks():
+    from experiments.hardware import SETUPS
+    from experiments.simulate import build_engine
+    from paged_jax.server.metrics import ServerMetrics
+
+    def scrape(engine) -> str:
+        metrics = ServerMetrics()
+        metrics.stats_source = engine.get_stats
+        return metrics.render()[0].decode()
+
+    engine, _, _ = build_engine(SETUPS["opt-13b"], "vllm", enable_chunked_prefill=True, target_itl_ms=40.0)
+    assert calibrate(engine)
+    cost = engine.get_stats()["step_cost"]
+    text = scrape(engine)
+    assert "paged_jax_target_itl_seconds 0.04" in text
+    for term, value in cost["coefficients"].items():
+        assert f'paged_jax_step_cost_coefficient{{term="{term}"}} {value!r}' in text
+    assert f'paged_jax_prefill_chunk_tokens{{stat="max"}} {float(cost["prefill_chunk_tokens"]["max"])!r}' in text
+    assert f"paged_jax_step_cost_prediction_error {cost['median_relative_error']!r}" in text
+    plain, _, _ = build_engine(SETUPS["opt-13b"], "vllm", enable_chunked_prefill=True)
+    assert plain.get_stats()["step_cost"] is None and "step_cost" not in scrape(plain)

@@ -49,6 +49,32 @@ class _EngineStatsCollector:
         yield pre
         yield CounterMetricFamily(PREFIX + "generation_tokens", "Generated tokens.", value=s["num_generated_tokens"])
         yield CounterMetricFamily(PREFIX + "engine_steps", "Engine iterations.", value=s["num_steps"])
+        yield from _step_cost_metrics(s)
+
+
+def _step_cost_metrics(s: dict):
+    """With a latency target (target_itl_ms): the target, the step-cost model's coefficients, its median
+    relative prediction error and the prefill chunk sizes it chose (see paged_jax.step_cost)."""
+    cost = s.get("step_cost")
+    if not cost:
+        return
+    yield GaugeMetricFamily(PREFIX + "target_itl_seconds", "The latency target the scheduler keeps.",
+                            value=s["target_itl_ms"] / 1e3)
+    coef = GaugeMetricFamily(PREFIX + "step_cost_coefficient", "The step-cost model's seconds per unit of each "
+                             "term (step, row, token, token_past_knee, decode_context, prefill_pair).", labels=["term"])
+    for term, value in (cost["coefficients"] or {}).items():
+        coef.add_metric([term], value)
+    yield coef
+    yield GaugeMetricFamily(PREFIX + "step_cost_knee_tokens", "Padded tokens where the model's token term bends.",
+                            value=cost["knee_tokens"])
+    if cost["median_relative_error"] is not None:
+        yield GaugeMetricFamily(PREFIX + "step_cost_prediction_error", "Median |predicted - measured| / measured "
+                                "step time over recent steps.", value=cost["median_relative_error"])
+    chunks = GaugeMetricFamily(PREFIX + "prefill_chunk_tokens", "Prefill chunk sizes chosen over recent steps.",
+                               labels=["stat"])
+    for stat, value in (cost["prefill_chunk_tokens"] or {}).items():
+        chunks.add_metric([stat], value)
+    yield chunks
 
 
 class ServerMetrics:
