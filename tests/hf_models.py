@@ -89,9 +89,41 @@ HF_VARIANTS = {
                                    do_layer_norm_before=True, init_std=0.15)),
     "gpt2_long": ("GPT2Config", dict(n_embd=64, n_layer=2, n_head=4, n_positions=4096, initializer_range=0.15)),
 }
+# Variants only their own family's tests use (tests/test_moe.py, tests/test_gemma3.py), not every
+# test parametrized over HF_VARIANTS.
+FAMILY_VARIANTS = {
+    # 4 experts, top-2 renormalised, on both layers
+    "mixtral": ("MixtralConfig", dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                      num_experts_per_tok=2, max_position_embeddings=512, initializer_range=0.15,
+                                      tie_word_embeddings=False, sliding_window=None)),
+    # top-2 of 4 not renormalised, plus the shared expert behind its sigmoid gate
+    "qwen2_moe": ("Qwen2MoeConfig", dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=48,
+                                         shared_expert_intermediate_size=96, num_experts=4, num_experts_per_tok=2,
+                                         norm_topk_prob=False, num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, max_position_embeddings=512,
+                                         initializer_range=0.15, tie_word_embeddings=False)),
+    # top-2 of 8 renormalised on layer 0; layer 1 is a dense MLP (mlp_only_layers)
+    "qwen3_moe": ("Qwen3MoeConfig", dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=48,
+                                         num_experts=8, num_experts_per_tok=2, norm_topk_prob=True,
+                                         mlp_only_layers=[1], num_hidden_layers=2, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=32, max_position_embeddings=512,
+                                         initializer_range=0.15, tie_word_embeddings=False)),
+    # five layers attend through a 6-token window, the sixth to everything; the global layers' RoPE
+    # linearly scaled (as on the larger Gemma 3 models), the windowed ones' on their own base
+    "gemma3": ("Gemma3TextConfig", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+                                        num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                        query_pre_attn_scalar=24, sliding_window=6, max_position_embeddings=512,
+                                        initializer_range=0.15,
+                                        rope_parameters={"full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                                            "rope_theta": 1000000.0},
+                                                         "sliding_attention": {"rope_type": "default",
+                                                                               "rope_theta": 10000.0}})),
+}
 FAMILY_OF = {"LlamaConfig": "llama", "OPTConfig": "opt", "GPT2Config": "gpt2", "Qwen2Config": "qwen2",
              "MistralConfig": "mistral", "Qwen3Config": "qwen3",
-             "Gemma2Config": "gemma2", "Phi3Config": "phi3"}
+             "Gemma2Config": "gemma2", "Phi3Config": "phi3", "MixtralConfig": "mixtral",
+             "Qwen2MoeConfig": "qwen2_moe", "Qwen3MoeConfig": "qwen3_moe", "Gemma3TextConfig": "gemma3"}
 
 
 def make_hf_model(variant: str, out: Path, seed: int = 0) -> Path:
@@ -99,7 +131,7 @@ def make_hf_model(variant: str, out: Path, seed: int = 0) -> Path:
     import transformers
     from paged_jax.models.tiny import SPECIAL_TOKENS, train_tokenizer
 
-    cls_name, kw = HF_VARIANTS[variant]
+    cls_name, kw = {**HF_VARIANTS, **FAMILY_VARIANTS}[variant]
     family = FAMILY_OF[cls_name]
     tok = train_tokenizer(family)
     sp = SPECIAL_TOKENS[family]
@@ -109,7 +141,7 @@ def make_hf_model(variant: str, out: Path, seed: int = 0) -> Path:
     config = getattr(transformers, cls_name)(vocab_size=tok.get_vocab_size(), **ids, **kw)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    if family in ("llama", "opt", "qwen2", "mistral", "qwen3", "gemma2", "phi3"):
+    if family != "gpt2":
         # HF initialises norms to ones/biases to zeros; perturb them so the test sees they are loaded.
         with torch.no_grad():
             for name, p in model.named_parameters():

@@ -73,9 +73,10 @@ FAMILY = ModelFamily(
     name="gemma3", architectures=("Gemma3ForCausalLM",), model_types=("gemma3_text",),
     config_from_hf=config_from_hf, hf_tensor_shapes=hf_tensor_shapes, params_from_hf=params_from_hf,
     embed=gemma2.embed, layer=layer, final=gemma2.final,
+    # a window of 8, so that short prompts already cross it
     tiny_config=dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", hidden_size=64,
                      intermediate_size=176, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=16, query_pre_attn_scalar=16, max_position_embeddings=2048, rms_norm_eps=1e-6,
                      rope_theta=1000000.0, rope_local_base_freq=10000.0, tie_word_embeddings=True,
-                     hidden_activation="gelu_pytorch_tanh", sliding_window=64, sliding_window_pattern=6),
+                     hidden_activation="gelu_pytorch_tanh", sliding_window=8, sliding_window_pattern=6),
     tiny_tokens=dict(bos="<bos>", eos="<eos>", unk="<unk>", pad="<pad>", add_bos=True))

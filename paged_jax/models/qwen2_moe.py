@@ -20,7 +20,7 @@ def experts_config(cfg: dict, where: str, shared: bool):
     """The MoEConfig of a Qwen MoE config.json (None when no layer has experts); ``shared``: a gated
     shared expert (Qwen2-MoE)."""
     layers = int(require(cfg, "num_hidden_layers", where))
-    num_experts = int(cfg.get("num_experts", cfg.get("num_local_experts", 0)) or 0)
+    num_experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)
     step = int(cfg.get("decoder_sparse_step", 1))
     dense = set(cfg.get("mlp_only_layers") or ())
     sparse = tuple(i for i in range(layers) if num_experts > 0 and i not in dense and (i + 1) % step == 0)
