@@ -213,10 +213,12 @@ class LLMEngine:
         out = self.scheduler.schedule()
         self.num_steps += 1
         t1 = time.perf_counter()
-        sampling = [self._row_sampling(row) for row in out.scheduled]
+        sampling, masks = [self._row_sampling(row) for row in out.scheduled], None
         if self._grammars is not None:
-            sampling = self._attach_bitmasks(out.scheduled, sampling)
+            sampling, masks = self._attach_bitmasks(out.scheduled, sampling)
         result = self.runner.execute(out, sampling, self.eos_token_id)
+        if masks is not None:
+            masks.result()  # done (the sampler read them); the matchers advance below
         t2 = time.perf_counter()
         self.timings["schedule"] += t1 - t0
         self.timings["execute"] += t2 - t1
@@ -294,19 +296,21 @@ class LLMEngine:
         prompt = p.prompt_logprobs if row.start_pos < seq.get_prompt_len() else None
         return RowSampling(p, seeds, p.logprobs, cands, prompt)
 
-    def _attach_bitmasks(self, scheduled: list[ScheduledSeq], sampling: list[RowSampling]) -> list[RowSampling]:
-        """Structured output: each constrained row that samples gets its grammar's token bitmask
-        (all of them computed in one parallel call), carried by a per-row copy of its params."""
+    def _attach_bitmasks(self, scheduled: list[ScheduledSeq], sampling: list[RowSampling]):
+        """Structured output: each constrained row that samples gets its grammar's token bitmask,
+        carried by a per-row copy of its params. The masks are computed in one parallel call in a
+        worker thread while the executor dispatches the step (the sampler waits for them).
+        Returns the rows' sampling and the pending masks (None without a constrained row)."""
         rows = [i for i, row in enumerate(scheduled) if row.seq.matcher is not None and sampling[i].seeds]
         if not rows:
-            return sampling
+            return sampling, None
         from paged_jax.structured_output.grammar import with_bitmask
 
-        masks = self._grammars.fill_bitmasks([scheduled[i].seq.matcher for i in rows])
+        masks = self._grammars.start_bitmasks([scheduled[i].seq.matcher for i in rows])
         sampling = list(sampling)
         for k, i in enumerate(rows):
-            sampling[i] = dataclasses.replace(sampling[i], params=with_bitmask(sampling[i].params, masks[k]))
-        return sampling
+            sampling[i] = dataclasses.replace(sampling[i], params=with_bitmask(sampling[i].params, masks.row(k)))
+        return sampling, masks
 
     def _beam_step(self, group: SequenceGroup, rows: list) -> list[tuple[int, int]]:
         """Advance a beam search by one token: keep, fork and free beams through the block manager.
