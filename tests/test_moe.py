@@ -141,3 +141,29 @@ def test_moe_configs_refuse_what_they_cannot_run():
     assert model_config_from_hf(mixtral).moe.renormalize
     with pytest.raises(ModelLoadError, match="num_local_experts"):
         model_config_from_hf({k: v for k, v in mixtral.items() if k != "num_local_experts"})
+
+
+@pytest.mark.slow  # about 20 s each
+@pytest.mark.parametrize("variant", ["qwen3_moe", "gemma3"])
+def test_new_families_greedy_with_chunked_prefill_prefix_caching_and_preemption(hf_model_dir, variant):
+    """The engine's other paths: prompts prefilled in 8-token chunks, the later prompts' shared prefix read
+    from cached blocks, and a pool small enough that sequences are preempted and recomputed; greedy tokens
+    equal transformers' for each prompt alone."""
+    from paged_jax import LLM, SamplingParams
+
+    path = hf_model_dir(variant)
+    hf = load_hf(path)
+    rng = np.random.default_rng(3)
+    shared = rng.integers(3, hf.config.vocab_size, size=20).tolist()
+    prompts = [shared + rng.integers(3, hf.config.vocab_size, size=n).tolist() for n in (3, 9, 14)]
+    llm = LLM(str(path), block_size=4, max_model_len=128, enable_chunked_prefill=True, max_num_batched_tokens=8,
+              enable_prefix_caching=True, num_kv_blocks=22)
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    got = [list(o.outputs[0].token_ids) for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
+                                                               use_tqdm=False)]
+    assert sum(llm.llm_engine.get_stats()["num_preemptions"].values()) > 0
+    for p, tokens in zip(prompts, got):
+        with torch.no_grad():
+            want = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                               do_sample=False, max_new_tokens=24, min_new_tokens=24, pad_token_id=0)
+        assert tokens == want[0, len(p):].tolist()
