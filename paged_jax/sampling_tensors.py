@@ -186,7 +186,7 @@ class SamplingTensors:
         if mask_rows:
             token_bitmask = np.full((S, (V + 31) // 32), -1, np.int32)
             for i, row_mask in mask_rows.items():
-                token_bitmask[i] = row_mask
+                token_bitmask[i] = np.asarray(row_mask)  # a row being computed is waited for here
         real = slice(0, n)
         if num_top is None:
             num_top = _pow2_bucket(want_top, 1)

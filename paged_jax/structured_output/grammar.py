@@ -90,6 +90,7 @@ class GrammarCompiler:
         self._cache: "collections.OrderedDict[tuple, llguidance.LLMatcher]" = collections.OrderedDict()
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="grammar-compile")
+        self._fill_pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
         self._scratch = np.zeros((1, bitmask_width(vocab_size)), np.int32)
         self.num_compiled = 0
 
@@ -146,6 +147,37 @@ class GrammarCompiler:
             fill_next_token_bitmask_par(_executor(), [(m.matcher, i) for i, m in enumerate(matchers)], out)
         return out
 
+    def start_bitmasks(self, matchers: list[SequenceMatcher]) -> "PendingBitmasks":
+        """:meth:`fill_bitmasks` in a worker thread (llguidance releases the GIL): the engine starts
+        it before the executor dispatches the step, so the masks are computed while the forward pass
+        runs; the sampler's arrays read them (and wait for them) only after that dispatch."""
+        return PendingBitmasks(self._fill_pool.submit(self.fill_bitmasks, matchers))
+
+
+class PendingBitmasks:
+    """The bitmask rows being computed for one step; :meth:`row` stands for row ``k`` (numpy reads
+    it through ``__array__``, waiting for it)."""
+
+    def __init__(self, future: "concurrent.futures.Future"):
+        self._future = future
+
+    def result(self) -> np.ndarray:
+        return self._future.result()
+
+    def row(self, k: int) -> "_PendingRow":
+        return _PendingRow(self, k)
+
+
+class _PendingRow:
+    __slots__ = ("pending", "k")
+
+    def __init__(self, pending: PendingBitmasks, k: int):
+        self.pending, self.k = pending, k
+
+    def __array__(self, dtype=None, copy=None):
+        row = self.pending.result()[self.k]
+        return row if dtype is None else row.astype(dtype)
+
 
 _EXECUTOR: Optional["llguidance.LLExecutor"] = None
 
@@ -157,8 +189,9 @@ def _executor() -> "llguidance.LLExecutor":
     return _EXECUTOR
 
 
-def with_bitmask(params, bitmask_row: np.ndarray):
-    """A copy of a row's ``SamplingParams`` carrying that row's bitmask (int32 ``[width]``) to
+def with_bitmask(params, bitmask_row):
+    """A copy of a row's ``SamplingParams`` carrying that row's bitmask (int32 ``[width]``, or a
+    pending row of :class:`PendingBitmasks`) to
     ``SamplingTensors.from_params``: the executor passes each row's params through untouched, so
     the mask needs no field of its own at the border."""
     row_params = copy.copy(params)
