@@ -37,12 +37,19 @@ def main(argv=None):
     import numpy as np
 
     from paged_jax import native
-    from paged_jax.attention import AttentionSpec, NativeBackend, get_backend, paged_attention_layer
+    from paged_jax.attention import REFERENCE, AttentionSpec, NativeBackend, get_backend, paged_attention_layer
     from paged_jax.executor.batch import SeqChunk, prepare_batch
 
     class Tiles(NativeBackend):
+        """The kernel on decode rows and the blockwise jnp on query tiles (the split step)."""
         name = "tiles"
-        ragged = None  # the layer's decode + query tiles path
+        ragged = None
+
+        def decode(self, q, k_cache, v_cache, meta, spec):
+            return native.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, spec.scale)
+
+        def prefill(self, q, k_cache, v_cache, meta, spec):
+            return REFERENCE.prefill(q, k_cache, v_cache, meta, spec)
 
     if not native.available():
         raise SystemExit(f"the native kernels are not available here: {native.status()}")

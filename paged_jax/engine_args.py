@@ -54,8 +54,8 @@ class EngineArgs:
     # False: no native CPU kernels in this engine (XLA's matmuls, the jnp attention); None: on where they
     # build, unless PAGED_JAX_NATIVE=0
     native_kernels: Optional[bool] = None
-    # JAX's persistent compilation cache and the compiled steps on disk; None: PAGED_JAX_COMPILE_CACHE or
-    # the default folder (see paged_jax.envs)
+    # The compiled steps on disk (and JAX's persistent compilation cache, which is process-wide: the first
+    # engine's folder); None: PAGED_JAX_COMPILE_CACHE or the default folder (see paged_jax.envs)
     compile_cache_dir: Optional[str] = None
     # a name of paged_jax.policy.POLICIES ("fcfs", the paper's baselines) or a SchedulingPolicy object
     scheduling_policy: Any = "fcfs"

@@ -9,13 +9,14 @@ for quality; the pool's arithmetic for capacity.
 
 from __future__ import annotations
 
+import dataclasses
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
 from paged_jax import LLM, SamplingParams, native
-from paged_jax.attention import NATIVE, REFERENCE, AttentionMetadata, AttentionSpec, kv_quant, write_kv
+from paged_jax.attention import NATIVE, REFERENCE, AttentionMetadata, AttentionSpec, as_ragged, kv_quant, write_kv
 from paged_jax.attention.reference import paged_attention_reference
 from tests.test_quantized import held_out_perplexity_ratio
 
@@ -109,9 +110,9 @@ def test_backends_read_an_8bit_cache_through_the_block_table_as_numpy_dequantize
     spec = AttentionSpec(scale=d ** -0.5)
     q = rng.standard_normal((2, h, d)).astype(np.float32)
     want = _numpy_attention(q[:, None], kf, vf, tables, lens, [1, 1], spec.scale)
-    meta = _meta(tables, lens, [1, 1], [0, 0])
+    meta = dataclasses.replace(_meta(tables, lens, [1, 1], [0, 0]), token_seq=jnp.arange(2), last_token=jnp.arange(2))
     for backend in [REFERENCE] + ([NATIVE] if native.available() else []):  # the C++ kernel reads 8 bits itself
-        got = np.asarray(backend.decode(jnp.asarray(q), kq, vq, meta, spec))
+        got = np.asarray(as_ragged(backend).ragged(jnp.asarray(q), kq, vq, meta, spec))  # a decode step
         np.testing.assert_allclose(got, np.stack([w[0] for w in want]), rtol=0, atol=3e-6,
                                    err_msg=type(backend).__name__)
     qp = rng.standard_normal((2, 5, h, d)).astype(np.float32)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from paged_jax import native
-from paged_jax.attention import (AttentionMetadata, AttentionSpec, paged_attention_reference, paged_decode_attention,
+from paged_jax.attention import (AttentionMetadata, as_ragged, AttentionSpec, paged_attention_reference, paged_decode_attention,
                                  select_backend)
 from paged_jax.attention.backends import NATIVE, REFERENCE
 from tests.native_paths import native_paths_report  # noqa: F401 (autouse: the paths report)
@@ -123,10 +123,11 @@ def test_mismatched_shapes_are_refused_with_the_shapes():
 
 
 def _decode(backend, q, k, v, tables, lens, scale):
-    """``backend.decode`` for a batch of one new token per sequence."""
-    meta = AttentionMetadata(slot_mapping=None, token_seq=None, block_tables=tables,
-                             context_lens=lens, query_lens=jnp.ones_like(lens))
-    return backend.decode(q, k, v, meta, AttentionSpec(scale))
+    """A step of one new token per sequence through the backend's one entry point (as the layer calls it)."""
+    rows = jnp.arange(q.shape[0], dtype=jnp.int32)
+    meta = AttentionMetadata(slot_mapping=None, token_seq=rows, block_tables=tables, context_lens=lens,
+                             query_lens=jnp.ones_like(lens), last_token=rows)
+    return as_ragged(backend).ragged(q, k, v, meta, AttentionSpec(scale))
 
 
 @needs_native

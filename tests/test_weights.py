@@ -153,3 +153,24 @@ def test_native_kernels_false_keeps_plain_weights_and_the_jnp_attention(tiny_lla
         LLM(str(tiny_llama_dir), num_kv_blocks=16, native_kernels=False, attention_backend="native")
     with pytest.raises(ValueError, match="native_kernels must be None, True or False, got 'no'"):
         LLM(str(tiny_llama_dir), native_kernels="no")
+
+
+def test_the_command_line_passes_native_kernels_and_the_compile_cache_to_the_engine(monkeypatch, tmp_path):
+    import paged_jax
+    from paged_jax.cli import _llm, build_parser
+
+    seen = {}
+    monkeypatch.setattr(paged_jax, "LLM", lambda **kw: seen.update(kw))
+    _llm(build_parser().parse_args(["generate", "--no-native-kernels", "--compile-cache-dir", str(tmp_path)]))
+    assert seen["native_kernels"] is False and seen["compile_cache_dir"] == str(tmp_path)
+    _llm(build_parser().parse_args(["serve"]))
+    assert seen["native_kernels"] is None and seen["compile_cache_dir"] is None
+
+
+def test_compile_cache_dir_puts_the_compiled_steps_in_the_engine_s_folder(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.delenv("PAGED_JAX_NO_COMPILE_CACHE", raising=False)
+    monkeypatch.delenv("PAGED_JAX_NO_EXECUTABLE_CACHE", raising=False)
+    llm = LLM(str(tiny_llama_dir), dtype="float32", num_kv_blocks=16, max_model_len=64, compile_cache_dir=str(tmp_path))
+    llm.generate(["x"], SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.llm_engine.runner.executable_cache.directory == tmp_path / "executables"
+    assert any((tmp_path / "executables").iterdir())

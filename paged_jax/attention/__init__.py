@@ -3,15 +3,12 @@
 A model layer calls ``attn(q, k, v, kv_cache)`` with ``attn`` =
 :func:`paged_attention_layer` bound to the step's metadata, the layer's
 :class:`AttentionSpec` (from the model config) and the engine's backend object. The layer
-writes the step's K/V into the paged cache and hands the backend the step's decode rows
-(``backend.decode``, one query per sequence) and, when some sequences have several new
-tokens, their query tiles (``backend.prefill``): one ragged, token-flat step for decodes and
-prefill chunks together.
+writes the step's K/V into the paged cache and hands the backend the whole ragged, token-flat
+step (decodes and prefill chunks together) in one call, ``backend.ragged`` (for a backend with
+only ``decode`` and ``prefill``, :mod:`~paged_jax.attention.split_step` splits it).
 """
 
 from __future__ import annotations
-
-import dataclasses
 
 import jax.numpy as jnp
 
@@ -24,6 +21,7 @@ from paged_jax.attention.metadata import AttentionMetadata
 from paged_jax.attention.prefill import blockwise_prefill_attention
 from paged_jax.attention.reference import paged_attention_reference
 from paged_jax.attention.spec import AttentionSpec
+from paged_jax.attention.split_step import SplitStep, as_ragged
 
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
@@ -50,34 +48,11 @@ def paged_attention_layer(q, k, v, kv_cache, *, meta: AttentionMetadata, spec: A
     Returns ([T, H, D], (k_cache, v_cache)). Writes come first, so a sequence sees its own new
     tokens (and, with prefix sharing, blocks another sequence fills in the same step).
 
-    A backend with a ``ragged`` method gets the whole step in one call. Otherwise every
-    sequence's last new token goes through ``backend.decode`` (one query per row: a decode step
-    is only this); the tokens of sequences with several new ones also go, in query tiles,
-    through ``backend.prefill``, and their outputs are taken from there. Whether a step has
-    tiles is static (their number is part of the step's shape).
+    The backend attends the whole step in one call, ``ragged`` (:func:`as_ragged` gives a backend
+    with only ``decode`` and ``prefill`` one that splits the step into decode rows and query tiles).
     """
     k_cache, v_cache = write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
-    ragged = getattr(backend, "ragged", None)
-    if ragged is not None and meta.last_token is not None:
-        return ragged(q, k_cache, v_cache, meta, spec), (k_cache, v_cache)
-    T, H, D = q.shape
-    rows = meta
-    if meta.num_tiles:
-        # Sequences with several new tokens get their outputs from their tiles: in the decode
-        # call they are rows with nothing to attend to, like padded rows, and cost nothing.
-        single = meta.query_lens == 1
-        rows = dataclasses.replace(meta, context_lens=jnp.where(single, meta.context_lens, 0),
-                                   query_lens=jnp.where(single, 1, 0))
-    # Padded rows' last_token is 0: their query is any token's, and their output is never read.
-    out = backend.decode(q[meta.last_token], k_cache, v_cache, rows, spec)
-    out = out.at[meta.token_seq].get(mode="fill", fill_value=0)
-    if meta.num_tiles:
-        N, Qt = meta.num_tiles, meta.tile_size
-        q_tiles = jnp.zeros((N, Qt, H, D), q.dtype).at[meta.token_tile, meta.token_tile_pos].set(q, mode="drop")
-        tiled = backend.prefill(q_tiles, k_cache, v_cache, meta.tiles(), spec)
-        tiled = tiled.at[meta.token_tile, meta.token_tile_pos].get(mode="fill", fill_value=0)
-        out = jnp.where((meta.token_tile < N)[:, None, None], tiled, out)
-    return out, (k_cache, v_cache)
+    return as_ragged(backend).ragged(q, k_cache, v_cache, meta, spec), (k_cache, v_cache)
 
 
 register_backend(REFERENCE)
@@ -94,7 +69,7 @@ def _register_pallas() -> None:
 
 _register_pallas()
 
-__all__ = ["AUTO", "NATIVE", "REFERENCE", "AttentionMetadata", "AttentionSpec", "NativeBackend", "ReferenceBackend",
+__all__ = ["SplitStep", "as_ragged", "AUTO", "NATIVE", "REFERENCE", "AttentionMetadata", "AttentionSpec", "NativeBackend", "ReferenceBackend",
            "available_backends", "get_backend", "paged_attention_layer", "paged_attention_reference", "paged_decode_attention",
            "blockwise_prefill_attention",
            "register_backend", "select_backend", "soft_cap_mod", "window_mask_mod", "write_kv"]

@@ -7,31 +7,30 @@ A backend has a ``name``, declares what it honours:
   has not declared (:func:`non_default_fields`);
 - ``dtypes``: the cache dtypes it takes (absent: any its ``check`` accepts);
 
-and has three methods:
+and has a ``check`` method and either a ragged kernel or a decode and a prefill one:
 
 - ``check(spec, dtype)``: raise ValueError, naming the backend and what it cannot do, when
   it cannot run on this machine (its platform, a library it needs). The engine calls it for
   every layer's spec, after the declarations, before anything is compiled, so a backend never
   meets a spec it refused.
-- ``decode(q, k_cache, v_cache, meta, spec)``: q ``[S, H, D]``, the newest token of each
-  sequence (at position ``context_lens[s] - 1``) -> ``[S, H, D]``.
-- ``prefill(q, k_cache, v_cache, meta, spec)``: q ``[S, Q, H, D]``, query ``i`` of sequence
-  ``s`` at position ``context_lens[s] - query_lens[s] + i`` -> ``[S, Q, H, D]``.
-
-and, optionally, a fourth that replaces both for a whole engine step:
-
 - ``ragged(q, k_cache, v_cache, meta, spec)``: q ``[T, H, D]`` token-flat, sequence ``s``'s
   ``query_lens[s]`` new tokens consecutive and ending at ``last_token[s]``, query ``i`` at
   position ``context_lens[s] - query_lens[s] + i`` -> ``[T, H, D]`` (tokens of no sequence:
-  unspecified). A backend with it attends a step's decodes and prefill chunks in one call, its
-  queries never padded to query tiles.
+  unspecified): a step's decodes and prefill chunks in one call, its queries never padded to
+  query tiles. The layer calls only this.
+- or ``decode(q, k_cache, v_cache, meta, spec)``: q ``[S, H, D]``, the newest token of each
+  sequence (at position ``context_lens[s] - 1``) -> ``[S, H, D]``; and
+  ``prefill(q, k_cache, v_cache, meta, spec)``: q ``[S, Q, H, D]``, query ``i`` of sequence
+  ``s`` at position ``context_lens[s] - query_lens[s] + i`` -> ``[S, Q, H, D]``. The layer runs
+  them through :func:`~paged_jax.attention.split_step.as_ragged`, which splits the step into
+  decode rows and query tiles.
 
 Caches are ``[num_blocks, block_size, num_kv_heads, head_dim]`` and already hold this step's
 K/V; ``meta`` is the step's :class:`AttentionMetadata` (block tables, lengths); outputs are in
 q's dtype. Built in: ``"reference"`` (plain jnp), ``"native"`` (the C++ CPU kernel, ragged),
 ``"pallas"`` and ``"pallas-interpret"`` (``pallas_kernels/backend.py``). A variant of your
 own is one file: a :class:`ReferenceBackend` with ``score_mod`` / ``mask_mod`` hooks (or a
-class with the three methods) and a :func:`register_backend` call
+class with ``check`` and ``ragged``, or ``decode`` and ``prefill``) and a :func:`register_backend` call
 (see ``paged_jax/attention/variants/``).
 """
 
@@ -61,10 +60,10 @@ def register_backend(backend) -> None:
     if not isinstance(name, str) or not name or name == AUTO:
         raise ValueError(f"a backend's name must be a non-empty string other than {AUTO!r}, got {name!r} "
                          f"(from {backend!r})")
-    missing = [m for m in ("check", "decode", "prefill") if not callable(getattr(backend, m, None))]
-    if missing:
-        raise ValueError(f"backend {name!r} must have callable check, decode and prefill methods; "
-                         f"{', '.join(missing)} missing")
+    has = [m for m in ("check", "ragged", "decode", "prefill") if callable(getattr(backend, m, None))]
+    if "check" not in has or "ragged" not in has and not {"decode", "prefill"} <= set(has):
+        raise ValueError(f"backend {name!r} must have a callable check method and ragged, or decode and prefill; "
+                         f"it has {', '.join(has) or 'none of them'}")
     _BACKENDS[name] = backend
 
 
@@ -202,9 +201,7 @@ class ReferenceBackend:
 
 class NativeBackend:
     """The C++ CPU kernel (``paged_jax/native``, :func:`paged_jax.native.paged_attention`) for a
-    whole ragged step (``ragged``) and for decode rows; ``prefill`` of hand-made query tiles (no
-    step around them) through the reference backend's (blockwise jnp,
-    :func:`blockwise_prefill_attention`).
+    whole ragged step.
 
     float32 or bfloat16 caches, or an 8-bit one (``kv_cache_dtype="int8" | "fp8"``), on a CPU where the
     kernel builds; the spec's sliding window and soft-cap are the kernel's arguments."""
@@ -223,15 +220,6 @@ class NativeBackend:
             why = f"the native library is not available here ({native.status().get('error', 'PAGED_JAX_NATIVE=0')})"
         if why:
             raise ValueError(f"attention_backend='native' cannot run this model: {why}; use 'reference' or 'auto'")
-
-    def decode(self, q, k_cache, v_cache, meta, spec: AttentionSpec):
-        from paged_jax import native
-
-        return native.paged_decode(q, k_cache, v_cache, meta.block_tables, meta.context_lens, spec.scale,
-                                   spec.sliding_window, spec.logit_soft_cap)
-
-    def prefill(self, q, k_cache, v_cache, meta, spec: AttentionSpec):
-        return REFERENCE.prefill(q, k_cache, v_cache, meta, spec)
 
     def ragged(self, q, k_cache, v_cache, meta, spec: AttentionSpec):
         from paged_jax import native

@@ -35,11 +35,18 @@ logger = logging.getLogger("paged_jax")
 
 def enable_compilation_cache(path: Optional[str] = None) -> None:
     """JAX's persistent compilation cache in ``path`` (default: :func:`paged_jax.envs.compile_cache_dir`,
-    None when switched off): a second start of the same model skips compiling."""
+    None when switched off): a second start of the same model skips compiling. It is process-wide
+    (``jax.config``): the first engine that sets it chooses the folder, later ones keep it."""
     path = path or envs.compile_cache_dir()
     if path is None:
         return
     path = str(path)
+    current = getattr(jax.config, "jax_compilation_cache_dir", None)
+    if current:
+        if current != path:
+            logger.info("JAX's persistent compilation cache stays in %s (process-wide, set by an earlier engine); "
+                        "this engine's compiled steps go to its own folder", current)
+        return
     try:
         jax.config.update("jax_compilation_cache_dir", path)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -89,7 +96,8 @@ def make_step(config: ModelConfig, attn):
     every token, or of each sequence's last one."""
 
     def step(params, kv_caches, batch: Batch, all_logits: bool):
-        hidden, kv_caches = forward(params, config, batch.input_ids, batch.positions, kv_caches, batch, attn)
+        hidden, kv_caches = forward(params, config, batch.input_ids, batch.positions, kv_caches, batch, attn,
+                                    rope_lengths=batch.rope_lengths)
         rows = hidden if all_logits else hidden[batch.last_token]
         return compute_logits(params, config, rows), kv_caches
 

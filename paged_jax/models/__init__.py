@@ -60,14 +60,15 @@ def model_config_from_hf(cfg: dict, dtype: str = "auto", where: str = "model") -
         raise ModelLoadError(f"{where}: malformed config.json: {e}") from e
 
 
-def forward(params, config: ModelConfig, input_ids, positions, kv_caches, meta, attn):
+def forward(params, config: ModelConfig, input_ids, positions, kv_caches, meta, attn, rope_lengths=None):
     """``attn`` is the attention backend; each layer gets it bound to the batch's metadata and
-    the layer's :class:`AttentionSpec`, as ``attn(q, k, v, kv_cache) -> (out, kv_cache)``."""
+    the layer's :class:`AttentionSpec`, as ``attn(q, k, v, kv_cache) -> (out, kv_cache)``.
+    ``rope_lengths``: with dynamic-NTK RoPE, each token's rotation length."""
     fam = FAMILIES[config.family]
     h = fam.embed(params, config, input_ids, positions)
     # Dynamic NTK rotates each token for its own rotation length (the batch's, set from the request's
     # prompt length): the layers pass the pair on to apply_rope as they pass positions.
-    layer_positions = (positions, meta.rope_lengths) if config.rope_type == "dynamic" else positions
+    layer_positions = (positions, rope_lengths) if config.rope_type == "dynamic" else positions
     new_caches = []
     for i, (lp, kv) in enumerate(zip(params["layers"], kv_caches)):
         layer_attn = functools.partial(paged_attention_layer, meta=meta, spec=config.attention_spec(i), backend=attn)

@@ -185,6 +185,17 @@ def require(cfg: dict, key: str, where: str):
     return cfg[key]
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")  # transformers' layer_types values paged-jax reads
+
+
+def check_layer_types(layer_types, num_layers: int, where: str) -> tuple:
+    """``layer_types`` (one of :data:`LAYER_TYPES` per layer) as a tuple, or ModelLoadError."""
+    if len(layer_types) != num_layers or not set(layer_types) <= set(LAYER_TYPES):
+        raise ModelLoadError(f"{where}: layer_types must list one of {LAYER_TYPES} per layer ({num_layers}), "
+                             f"got {layer_types!r}")
+    return tuple(layer_types)
+
+
 def eos_tuple(value) -> Optional[tuple[int, ...]]:
     if value is None:
         return None

@@ -10,12 +10,9 @@ import jax.numpy as jnp
 
 from paged_jax.errors import ModelLoadError
 from paged_jax.models import llama
-from paged_jax.models.config import ModelConfig
+from paged_jax.models.config import ModelConfig, check_layer_types
 from paged_jax.models.family import ModelFamily
 from paged_jax.models.layers import ACTIVATIONS, apply_rope, linear, rms_norm, split_heads
-
-LAYER_TYPES = ("full_attention", "sliding_attention")
-
 
 def _optional_float(cfg: dict, key: str):
     return None if cfg.get(key) is None else float(cfg[key])
@@ -27,9 +24,7 @@ def config_from_hf(cfg: dict, dt: str, where: str, family: str = "gemma2", **ext
     window = cfg.get("sliding_window")
     layer_types = cfg.get("layer_types") or ["sliding_attention" if (i + 1) % 2 else "full_attention"
                                              for i in range(num_layers)]
-    if len(layer_types) != num_layers or not set(layer_types) <= set(LAYER_TYPES):
-        raise ModelLoadError(f"{where}: layer_types must list one of {LAYER_TYPES} per layer ({num_layers}), "
-                             f"got {layer_types!r}")
+    check_layer_types(layer_types, num_layers, where)
     if window is not None and int(window) < 1:
         raise ModelLoadError(f"{where}: sliding_window must be a positive integer, got {window}")
     if cfg.get("use_bidirectional_attention"):

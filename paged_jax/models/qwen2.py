@@ -8,11 +8,8 @@ import functools
 
 from paged_jax.errors import ModelLoadError
 from paged_jax.models import llama
-from paged_jax.models.config import ModelConfig
+from paged_jax.models.config import ModelConfig, check_layer_types
 from paged_jax.models.family import ModelFamily
-
-LAYER_TYPES = ("full_attention", "sliding_attention")
-
 
 def config_from_hf(cfg: dict, dt: str, where: str, family: str = "qwen2") -> ModelConfig:
     """``family``: Qwen3 reads the same fields."""
@@ -26,10 +23,7 @@ def config_from_hf(cfg: dict, dt: str, where: str, family: str = "qwen2") -> Mod
         layer_types = cfg.get("layer_types") or [
             "sliding_attention" if i >= int(cfg.get("max_window_layers", num_layers)) else "full_attention"
             for i in range(num_layers)]
-        if len(layer_types) != num_layers or not set(layer_types) <= set(LAYER_TYPES):
-            raise ModelLoadError(f"{where}: layer_types must list one of {LAYER_TYPES} per layer "
-                                 f"({num_layers}), got {layer_types!r}")
-        layer_types = tuple(layer_types)
+        layer_types = check_layer_types(layer_types, num_layers, where)
     return llama.config_from_hf(cfg, dt, where, family=family, sliding_window=window, layer_types=layer_types)
 
 

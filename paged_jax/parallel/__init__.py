@@ -67,10 +67,13 @@ def replicated(mesh):
 
 class ShardedBackend:
     """An attention backend run per device on its own heads (q and the K/V caches split over
-    heads, the metadata replicated): its decode and prefill each inside ``jax.shard_map``."""
+    heads, the metadata replicated): its ragged step (or its decode-and-tiles split,
+    :func:`~paged_jax.attention.as_ragged`) inside ``jax.shard_map``."""
 
     def __init__(self, backend, mesh):
-        self.backend, self.mesh, self.name = backend, mesh, backend.name
+        from paged_jax.attention import as_ragged
+
+        self.backend, self.mesh, self.name = as_ragged(backend), mesh, backend.name
 
     def check(self, spec, dtype) -> None:
         self.backend.check(spec, dtype)
@@ -87,11 +90,8 @@ class ShardedBackend:
                                                               jax.tree.map(lambda _: P(), meta)),
                              out_specs=heads, check_vma=False)(q, k_cache, v_cache, meta)
 
-    def decode(self, q, k_cache, v_cache, meta, spec):
-        return self._per_device(self.backend.decode, q, k_cache, v_cache, meta, spec)
-
-    def prefill(self, q, k_cache, v_cache, meta, spec):
-        return self._per_device(self.backend.prefill, q, k_cache, v_cache, meta, spec)
+    def ragged(self, q, k_cache, v_cache, meta, spec):
+        return self._per_device(self.backend.ragged, q, k_cache, v_cache, meta, spec)
 
 
 def shard_backend(backend, mesh) -> ShardedBackend:

@@ -161,9 +161,11 @@ def replicate_kv_heads(params, config: ModelConfig, rep: int, mesh):
     """Repeat each KV head ``rep`` times in the ``"kv"`` weights (loaded replicated), then split over heads."""
     import jax
     import jax.numpy as jnp
-    from jax.sharding import NamedSharding
+    from jax.sharding import NamedSharding, PartitionSpec
 
-    from paged_jax.parallel.rules import COL, COL_BIAS
+    from paged_jax.parallel.rules import AXIS
+
+    COL, COL_BIAS = PartitionSpec(None, AXIS), PartitionSpec(AXIS)  # a "kv" weight's split (its declared out axis)
 
     kvh, d = config.num_kv_heads, config.head_dim
 
