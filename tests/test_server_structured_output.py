@@ -26,26 +26,35 @@ def server(tmp_path_factory):
     srv.stop()
 
 
+FMT = {"type": "json_schema", "json_schema": {"name": "user", "schema": SCHEMA, "strict": True}}
+
+
 def test_response_format_and_structured_outputs(server):
     c = client(server)
-    fmt = {"type": "json_schema", "json_schema": {"name": "user", "schema": SCHEMA, "strict": True}}
-    r = c.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=fmt, temperature=0, max_tokens=80)
+    r = c.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=FMT, temperature=0, max_tokens=80)
     assert r.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(r.choices[0].message.content), SCHEMA)
-    # Streamed: the deltas put together are the same document.
-    stream = c.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=fmt, temperature=0,
-                                       max_tokens=80, stream=True)
-    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == r.choices[0].message.content
-    # n > 1 sampled, json_object.
-    r = c.chat.completions.create(model=MODEL, messages=MESSAGES, response_format={"type": "json_object"}, n=2,
-                                  temperature=0.8, seed=5, max_tokens=60)
-    for choice in r.choices:
-        if choice.finish_reason == "stop":
-            assert isinstance(json.loads(choice.message.content), dict)
-    # vLLM's extra field on completions: a regex and a choice, one streamed.
+    # vLLM's extra field on completions.
     r = c.completions.create(model=MODEL, prompt=PROMPT, temperature=0, max_tokens=20,
                              extra_body={"structured_outputs": {"regex": REGEX}})
     assert re.fullmatch(REGEX, r.choices[0].text), r.choices[0].text
+
+
+@pytest.mark.slow
+def test_streaming_n_and_json_object(server):
+    c = client(server)
+    r = c.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=FMT, temperature=0, max_tokens=80)
+    # Streamed: the deltas put together are the same document.
+    stream = c.chat.completions.create(model=MODEL, messages=MESSAGES, response_format=FMT, temperature=0,
+                                       max_tokens=80, stream=True)
+    assert "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices) == r.choices[0].message.content
+    # n > 1 sampled, json_object: each sample that finishes is a JSON object.
+    r = c.chat.completions.create(model=MODEL, messages=MESSAGES, response_format={"type": "json_object"}, n=3,
+                                  temperature=0.8, seed=5, max_tokens=60)
+    finished = [choice for choice in r.choices if choice.finish_reason == "stop"]
+    assert finished
+    for choice in finished:
+        assert isinstance(json.loads(choice.message.content), dict)
     stream = c.completions.create(model=MODEL, prompt=PROMPT, temperature=0.7, seed=1, max_tokens=10, stream=True,
                                   extra_body={"structured_outputs": {"choice": CHOICE}})
     assert "".join(ch.choices[0].text for ch in stream if ch.choices) in CHOICE
