@@ -42,7 +42,7 @@ def test_moe_layer_matches_numpy_reference(scoring, renormalize):
     from paged_jax.models import moe
     from paged_jax.weights import DenseLinear
 
-    E, k, H, I, S = 6, 2, 16, 12, 10
+    E, k, H, I, S = 8, 2, 16, 12, 10
     rng = np.random.default_rng(0)
     router = rng.standard_normal((H, E)).astype(np.float32)
     gate_up = (0.3 * rng.standard_normal((E, H, 2 * I))).astype(np.float32)
@@ -57,7 +57,7 @@ def test_moe_layer_matches_numpy_reference(scoring, renormalize):
     run = jax.jit(lambda p, x: moe.moe_mlp(p, cfg, x))
     biased = router.copy()
     biased[:, 4] += 50.0  # every token's first choice is expert 4: one segment as long as the batch
-    for T, r in ((3, router), (24, router), (24, biased)):
+    for T, r in ((1, router), (2, router), (3, router), (24, router), (24, biased)):  # 1, 2: the few-token path
         x = rng.standard_normal((T, H)).astype(np.float32)
         chosen = np.argsort(-(x @ r), axis=1)[:, :k]
         if T == 24:  # the case is what it claims: the step's tokens go to several experts
@@ -87,8 +87,9 @@ def routed_experts(hf, prompt) -> set:
 @pytest.mark.slow  # about 15 s each; the default set checks each family's logits (tests/test_models.py)
 @pytest.mark.parametrize("variant", ["mixtral", "qwen2_moe", "qwen3_moe"])
 def test_moe_family_greedy_equals_transformers(hf_model_dir, variant):
-    """Four prompts prefilled in one step and decoded together over 4-token blocks: each one's greedy
-    tokens equal transformers' ``generate`` for it alone. The step's tokens go to several experts."""
+    """Four prompts prefilled in one step and decoded together over 4-token blocks, then one alone: each
+    one's greedy tokens equal transformers' ``generate`` for it alone. The step's tokens go to several
+    experts."""
     from paged_jax import LLM, SamplingParams
 
     path = hf_model_dir(variant)
@@ -99,7 +100,10 @@ def test_moe_family_greedy_equals_transformers(hf_model_dir, variant):
     llm = LLM(str(path), block_size=4, max_model_len=96)
     outs = llm.generate(prompt_token_ids=prompts,
                         sampling_params=SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
-    for p, out in zip(prompts, outs):
+    # and the last prompt alone: its decoding steps have one token (the few-token path)
+    alone = llm.generate(prompt_token_ids=prompts[-1:],
+                         sampling_params=SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    for p, out in zip(prompts + prompts[-1:], outs + alone):
         with torch.no_grad():
             want = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                                do_sample=False, max_new_tokens=16, min_new_tokens=16, pad_token_id=0)

@@ -11,16 +11,20 @@ a window of the sorted rows that starts at its own segment, all experts in one b
 the stacked weights (``[E, C, H] @ [E, H, 2I]``). The window size C is the step's largest segment rounded
 up a ladder of sizes (1, 2, 4, 8, 16, 24, 32, 48, ...), chosen at run time by ``lax.switch``; rows of a
 window past its expert's segment are masked out, and the results are added back to their tokens. So the
-work is E x C rows where the dense all-experts formulation does E x T, and no weights are copied.
+work is E x C rows where the dense all-experts formulation does E x T, and no weights are copied. A step
+of a few tokens (at most E / 2k: decoding one or two sequences) instead runs only the experts chosen,
+each behind a ``lax.cond``, so the others' weights are not even read.
 
 Measured side by side on this project's CPU (``experiments/bench_moe.py``: 8 experts, top-2, hidden
-512, expert width 1024, float32, weights passed as arguments as the engine passes params), at batch 32
-this ran about 1.9x faster than the dense all-experts batched matmul (3x at 128 tokens, about even at
-one token, where all experts' weights are read either way). The alternatives lost: ``jax.lax.ragged_dot``
-ran 5-9x *slower* than this (on the CPU XLA lowers it to one dense matmul over all groups with masked
-inputs, after copying the whole weight into a new layout), and a loop over the experts, each on its own
-window, ran about as slow as the dense one (each iteration copies its expert's weight slice). On a
-GPU, where ``ragged_dot`` is a grouped GEMM, the balance may differ: measure there before choosing.
+512, expert width 1024, float32, weights passed as arguments as the engine passes params; 2 shared,
+noisy cores, so runs differ by tens of percent), against the dense all-experts batched matmul this ran
+1.1-1.7x as fast at 32 tokens, about 2.1x at 128, 1.3-2.3x at one token, and about even at 4-8 tokens
+(where every expert is chosen and all weights are read either way). The alternatives lost:
+``jax.lax.ragged_dot`` ran 6-20x *slower* than this (on the CPU XLA lowers it to one dense matmul over
+all groups with masked inputs, after copying the whole weight into a new layout), and a loop over the
+experts, each on its own window, ran about as slow as the dense matmul (each iteration copied its
+expert's weight slice). On a GPU, where ``ragged_dot`` is a grouped GEMM and each ``lax.switch`` or
+``lax.cond`` reads its branch index back to the host, the balance may differ: measure there.
 """
 
 from __future__ import annotations
@@ -100,6 +104,11 @@ def grouped_experts(x, weights, experts, gate_up, down, act=jax.nn.silu):
     x ``[T, H]``; weights, experts ``[T, k]``; gate_up ``[E, H, 2I]``; down ``[E, I, H]``."""
     T, k = experts.shape
     E = gate_up.shape[0]
+
+    def mlp(xs, gate_up, down, weight):  # [..., rows, H] -> [..., rows, H] float32, times each row's weight
+        gate, up = jnp.split(jnp.matmul(xs, gate_up), 2, axis=-1)
+        return jnp.matmul(act(gate) * up, down).astype(jnp.float32) * weight[..., None]
+
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
     token = (order // k).astype(jnp.int32)
@@ -111,11 +120,23 @@ def grouped_experts(x, weights, experts, gate_up, down, act=jax.nn.silu):
     row_weight = jnp.concatenate([weights.reshape(-1)[order], jnp.zeros((pad,), weights.dtype)])
     row_token = jnp.concatenate([token, jnp.zeros((pad,), jnp.int32)])
 
+    if 2 * T * k <= E:  # a few tokens (decoding a few sequences): only the experts they chose read their weights
+        def expert(e, out):
+            def run(out):
+                y = mlp(rows[starts[e] + jnp.arange(T)], gate_up[e], down[e], row_weight[starts[e] + jnp.arange(T)])
+                mine = jnp.arange(T) < counts[e]
+                return out.at[row_token[starts[e] + jnp.arange(T)]].add(jnp.where(mine[:, None], y, 0.0))
+            return jax.lax.cond(counts[e] > 0, run, lambda out: out, out)
+
+        out = jnp.zeros(x.shape, jnp.float32)
+        for e in range(E):  # unrolled: a static slice of the weights, read only when the expert runs
+            out = expert(e, out)
+        return out.astype(x.dtype)
+
     def windows(size):
         def run():
             at = starts[:, None] + jnp.arange(size)[None, :]  # [E, size]: each expert's window of sorted rows
-            gate, up = jnp.split(jnp.matmul(rows[at], gate_up), 2, axis=-1)  # one batched matmul, no weight copies
-            y = jnp.matmul(act(gate) * up, down).astype(jnp.float32) * row_weight[at][..., None]
+            y = mlp(rows[at], gate_up, down, row_weight[at])  # one batched matmul, no weight copies
             mine = jnp.arange(size)[None, :] < counts[:, None]  # rows past the segment: the next expert's
             y = jnp.where(mine[..., None], y, 0.0).reshape(-1, x.shape[1])
             return jnp.zeros(x.shape, jnp.float32).at[row_token[at].reshape(-1)].add(y)
