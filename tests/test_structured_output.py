@@ -245,14 +245,14 @@ def test_bad_constraints_are_refused_before_queuing(llm):
 
 
 def test_preemption_by_recompute_keeps_outputs_valid(llm, tokenizer):
-    """A pool too small for the batch: requests are preempted mid-JSON, recomputed, and their
-    outputs are still valid, and equal to those of an uncrowded run."""
+    """A pool too small for the batch: requests are preempted mid-JSON, recomputed (prompts shared by
+    prefix caching), and their outputs are still valid, and equal to those of an uncrowded run."""
     from paged_jax import LLM
 
     params = [SamplingParams(temperature=t, seed=11, max_tokens=60, structured_outputs=StructuredOutputsParams(json=SCHEMA))
               for t in (0.0, 0.9)] * 3
     prompts = [PROMPT, "class Config:\n    value = ", "x = "] * 2
-    small = LLM(num_kv_blocks=8, max_model_len=128, preemption_mode="recompute")
+    small = LLM(num_kv_blocks=8, max_model_len=128, preemption_mode="recompute", enable_prefix_caching=True)
     outs = small.generate(prompts, params, use_tqdm=False)
     assert small.llm_engine.get_stats()["num_preemptions"].get("recompute", 0) > 0
     for p, out in zip(params, outs):
@@ -276,7 +276,7 @@ def test_every_family_tiny_model(hf_model_dir, variant):
     tok = AutoTokenizer.from_pretrained(path)
     llm = LLM(model=str(path), num_kv_blocks=128, max_model_len=256)
     kinds = constraints()
-    params = [SamplingParams(temperature=t, seed=2, max_tokens=120, structured_outputs=c)
+    params = [SamplingParams(temperature=t, seed=2, max_tokens=48, structured_outputs=c)
               for t in (0.0, 1.0) for c in kinds.values()]
     outs = llm.generate(["the"] * len(params), params, use_tqdm=False)
     for (kind, _), out in zip([*kinds.items()] * 2, outs):
