@@ -2,12 +2,12 @@
 
 The machine plays a tiny scheduler and executor: requests with shared prompt
 prefixes over a 3-token alphabet (so prefix hits happen), decode and multi-token
-growth, forks, finishes, swap out / in, recompute preemption, pins and cache
-resets, in small pools (so eviction and preemption happen). It also simulates
-the KV contents: every computed slot holds a value derived from the sequence's
-tokens up to that position; copies and swaps move values as the executor
-would. After every step it checks, independently of the manager's own
-bookkeeping, that refcounts match the block tables and pins, that the pools add
+growth, speculation (drafts written, the rejected ones rolled back), forks,
+finishes, swap out / in, recompute preemption, pins and cache resets, in small
+pools (so eviction and preemption happen). It also simulates the KV contents:
+every computed slot holds a value derived from the sequence's tokens up to that
+position; copies and swaps move values as the executor would. After every step
+it checks, independently of the manager's own bookkeeping, that refcounts match the block tables and pins, that the pools add
 up, that every sequence reads back the K/V of its own tokens (so copy-on-write,
 swapping and prefix hits are right) and that no write lands in a shared block.
 """
@@ -153,13 +153,54 @@ class BlockManagerMachine(RuleBasedStateMachine):
             self.preempt(group)
             return
         for seq in group.seqs:
-            last = self.bm.get_block_table(seq)[-1:]
-            copy = self.bm.append_slot(seq)
-            if copy is not None:
-                src, dst = copy
-                assert [src] == last and self.bm.gpu_allocator.get_ref_count(dst) == 1
-                self.mem[Device.GPU][dst] = list(self.mem[Device.GPU][src])
+            self.grow(seq)
             self.write(seq, min(seq.get_len(), seq.num_computed_tokens + chunk))
+
+    @precondition(lambda self: self.with_status(SequenceStatus.RUNNING))
+    @rule(pick=pick_st, proposals=st.lists(st.integers(0, 2), min_size=1, max_size=5), data=st.data())
+    def speculate(self, pick, proposals, data) -> None:
+        """Speculative decoding: a decoding sequence (its last token not computed yet) runs that token
+        plus draft tokens, all written to the cache; then the drafts past the accepted ones are
+        removed and its table rolled back (what LLMEngine.step does with a SpecDecoder)."""
+        running = self.with_status(SequenceStatus.RUNNING)
+        group = running[pick % len(running)]
+        seq = group.seqs[pick % len(group.seqs)]
+        if seq.num_computed_tokens == seq.get_len():  # sampled after its last step: one token pending
+            seq.append_token_id(data.draw(st.integers(0, 2)))
+        if seq.num_computed_tokens != seq.get_len() - 1:  # still prefilling
+            return
+        if not self.bm.can_append_slots(group):  # the scheduler's slot for the pending token first
+            return
+        for s in group.seqs:
+            self.grow(s)
+        real_len = seq.get_len()
+        for t in proposals:
+            seq.append_token_id(t)
+        if not self.bm.can_append_slots(group):  # no room for the drafts: no speculation
+            del seq.output_token_ids[real_len - seq.get_prompt_len():]
+            return
+        self.grow(seq)
+        table, values = self.bm.get_block_table(seq), kv_values(seq.get_token_ids())
+        for pos in range(seq.num_computed_tokens, seq.get_len()):  # the step writes every query token
+            block = table[pos // BS]
+            assert self.bm.gpu_allocator.get_ref_count(block) == 1, f"write into shared block {block}"
+            self.mem[Device.GPU][block][pos % BS] = values[pos]
+        accepted = data.draw(st.integers(0, len(proposals)))
+        del seq.output_token_ids[real_len + accepted - seq.get_prompt_len():]
+        seq.num_computed_tokens = seq.get_len()
+        self.bm.rollback(seq)
+        assert len(self.bm.get_block_table(seq)) == -(-seq.get_len() // BS)
+        self.bm.mark_blocks_computed(seq)
+        seq.append_token_id(data.draw(st.integers(0, 2)))  # the target's own next token, not computed
+
+    def grow(self, seq: Sequence) -> None:
+        """append_slot, carrying out a copy-on-write copy as the executor would."""
+        last = self.bm.get_block_table(seq)[-1:]
+        copy = self.bm.append_slot(seq)
+        if copy is not None:
+            src, dst = copy
+            assert [src] == last and self.bm.gpu_allocator.get_ref_count(dst) == 1
+            self.mem[Device.GPU][dst] = list(self.mem[Device.GPU][src])
 
     @precondition(lambda self: self.with_status(SequenceStatus.RUNNING))
     @rule(pick=pick_st)

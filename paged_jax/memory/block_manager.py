@@ -197,6 +197,23 @@ class BlockManager(PrefixSharing):
         table.num_tokens = num_tokens
         return copy
 
+    def rollback(self, seq: Sequence, num_tokens: Optional[int] = None) -> None:
+        """Shrink the device table to ``num_tokens`` tokens (default ``seq.get_len()``): speculative
+        decoding wrote K/V for proposals that were then rejected. Trailing blocks past them are
+        released (fresh, unshared blocks from ``append_slot``: freed), and block hashes past the full
+        blocks left are dropped, so no block holding a rejected token is ever registered. A table
+        already holding no more tokens is left as it is."""
+        table = self._table(seq, Device.GPU)
+        num_tokens = seq.get_len() if num_tokens is None else num_tokens
+        if num_tokens < 1 or num_tokens >= table.num_tokens:
+            return
+        keep = max(blocks_for(num_tokens, self.block_size), table.min_blocks, table.num_freed)
+        for block in reversed(table.blocks[keep:]):
+            self.gpu_pool.release(block)
+        del table.blocks[keep:]
+        del table.block_hashes[num_tokens // self.block_size:]
+        table.num_tokens = num_tokens
+
     def fork(self, parent_seq: Sequence, child_seq: Sequence) -> list[tuple[int, int]]:
         """The child shares all of the parent's blocks (each gains a reference).
         Fork after sampling, when the parent's blocks hold only computed tokens:

@@ -1,0 +1,67 @@
+"""SpeculativeConfig: ``LLM(model, speculative_config={...})``, vLLM's keys and checks."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+METHODS = ("ngram",)
+_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
+         "model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding's settings.
+
+    ``method="ngram"``: proposals looked up in the request's own tokens (:mod:`.ngram`), up to
+    ``num_speculative_tokens`` a step, from suffixes of ``prompt_lookup_min`` to
+    ``prompt_lookup_max`` tokens (vLLM's defaults: both 5 when neither is given, otherwise the
+    missing one equals the given one). ``disable_by_batch_size``: no speculation in a step that runs
+    at least that many sequences (None: always on)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+    disable_by_batch_size: Optional[int] = None
+
+    @classmethod
+    def from_dict(cls, config: Any) -> "SpeculativeConfig":
+        """Validate a user's dict (or pass a SpeculativeConfig through); ValueError naming the bad entry."""
+        if isinstance(config, SpeculativeConfig):
+            return config
+        if not isinstance(config, dict):
+            raise ValueError(f"speculative_config must be a dict such as {{'method': 'ngram', "
+                             f"'num_speculative_tokens': 4}}, got {config!r}")
+        unknown = sorted(set(config) - set(_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown keys {unknown}; allowed: {list(_KEYS)}")
+        if config.get("model") is not None:
+            raise ValueError(f"speculative_config: a draft model ({config['model']!r}) is not supported yet; "
+                             "use {'method': 'ngram', ...}")
+        method = config.get("method")
+        if method not in METHODS:
+            raise ValueError(f"speculative_config['method'] must be one of {list(METHODS)}, got {method!r}")
+        k = config.get("num_speculative_tokens")
+        if not _is_int(k) or k < 1:
+            raise ValueError(f"speculative_config['num_speculative_tokens'] must be an integer >= 1, got {k!r}")
+        lo, hi = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
+        if lo is None and hi is None:
+            lo = hi = 5
+        lo = hi if lo is None else lo
+        hi = lo if hi is None else hi
+        for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+            if not _is_int(v) or v < 1:
+                raise ValueError(f"speculative_config['{name}'] must be an integer >= 1, got {v!r}")
+        if lo > hi:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+        off = config.get("disable_by_batch_size")
+        if off is not None and (not _is_int(off) or off < 2):
+            raise ValueError(f"speculative_config['disable_by_batch_size'] must be None or an integer >= 2, "
+                             f"got {off!r}")
+        return cls(method, k, hi, lo, off)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
