@@ -285,3 +285,35 @@ def test_every_family_tiny_model(hf_model_dir, variant):
             assert grammar_accepts(tok, grammar_of(kinds[kind]), o.token_ids, complete=False)
         else:
             check_valid(kind, o.text, tok, o.token_ids)
+
+
+TP_SCRIPT = """
+import json, jsonschema
+from paged_jax import LLM, SamplingParams, StructuredOutputsParams
+from tests.test_structured_output import PROMPT, SCHEMA
+tokens = []
+for tp in (1, 2):
+    llm = LLM(num_kv_blocks=64, max_model_len=256, tensor_parallel_size=tp)
+    outs = llm.generate([PROMPT] * 2, [SamplingParams(temperature=t, seed=3, max_tokens=60,
+                                                      structured_outputs=StructuredOutputsParams(json=SCHEMA))
+                                       for t in (0, 0.8)], use_tqdm=False)
+    for o in outs:
+        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+    tokens.append([o.outputs[0].token_ids for o in outs])
+assert tokens[0] == tokens[1], tokens
+print("ok")
+"""
+
+
+@pytest.mark.slow
+def test_tensor_parallel_constrained_equals_one_device():
+    """Two forced CPU devices (a subprocess): constrained outputs valid and equal to one device's."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    proc = subprocess.run([sys.executable, "-c", TP_SCRIPT], cwd=Path(__file__).resolve().parents[1], env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-3000:]
