@@ -113,7 +113,10 @@ def weigh_xgrammar(hf_tok):
     return t_tok, t_compile, t_regex, per_token, importlib.metadata.version("xgrammar")
 
 
-def main():
+def main(argv=None):
+    import argparse
+
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args(argv)
     print("| library | tokenizer | wrap tokenizer | compile 10-field schema | compile regex | "
           "mask + advance per token (median / max) |")
     print("|---|---|---|---|---|---|")
