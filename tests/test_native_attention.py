@@ -1,4 +1,4 @@
-"""The native CPU decode kernel (paged_jax/native) against a numpy oracle, the "native" backend, and its fallback."""
+"""The native CPU attention kernel on decode rows (paged_jax/native) against a numpy oracle, the "native" backend, and its fallback."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from paged_jax.attention import (AttentionMetadata, AttentionSpec, REFERENCE, ReferenceBackend,
                                  blockwise_prefill_attention, paged_attention_reference, select_backend, soft_cap_mod,
                                  window_mask_mod)
-from tests.test_notebook_attention import numpy_attention, random_case
+from tests.test_attention_variants import numpy_attention, random_case
 
 
 def random_batch(rng, S, H, KVH, D, block_size, max_len):
