@@ -7,9 +7,10 @@ finishes, swap out / in, recompute preemption, pins and cache resets, in small
 pools (so eviction and preemption happen). It also simulates the KV contents:
 every computed slot holds a value derived from the sequence's tokens up to that
 position; copies and swaps move values as the executor would. After every step
-it checks, independently of the manager's own bookkeeping, that refcounts match the block tables and pins, that the pools add
-up, that every sequence reads back the K/V of its own tokens (so copy-on-write,
-swapping and prefix hits are right) and that no write lands in a shared block.
+it checks, independently of the manager's own bookkeeping, that refcounts match
+the block tables and pins, that the pools add up, that every sequence reads back
+the K/V of its own tokens (so copy-on-write, swapping and prefix hits are right)
+and that no write lands in a shared block.
 """
 
 from __future__ import annotations

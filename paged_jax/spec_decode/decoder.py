@@ -1,0 +1,180 @@
+"""Speculative decoding in the engine's step, above the executor border (plain Python, no JAX).
+
+A step with speculation runs like this (``LLMEngine.step``):
+
+1. :meth:`SpecDecoder.propose`, after the scheduler: each decoding row (one pending token) of an
+   eligible request gets up to ``k`` draft tokens, appended to its sequence for the step and
+   covered by its block table (``append_slot``; copy-on-write as usual), so the row runs its
+   pending token plus the drafts as query tokens of the same ragged step.
+2. The executor draws the target's token at each of the row's ``k + 1`` positions exactly as plain
+   decoding would draw it there: the same sampling parameters, the output so far followed by the
+   drafts before that position (penalties, ``min_tokens``), and, for a seeded request, the same key
+   (the seed folded with the number of tokens generated before that position).
+3. :meth:`SpecDecoder.verify`: the drafts leave the sequence; the accepted ones are the longest
+   prefix equal to the target's tokens, and the tokens to append are the target's tokens up to and
+   including the first mismatch (or the one after the last draft): ``accepted + 1`` tokens. The
+   block table is rolled back to the tokens whose K/V are valid (``BlockManager.rollback``).
+
+Why this is lossless. Greedy: the target's token at each position is its argmax given the tokens
+before it, so the output equals plain greedy decoding token for token. Sampled: for a
+deterministic draft ``x`` (the n-gram proposer's), the rejection sampler of Leviathan et al. /
+Chen et al. accepts ``x`` with probability ``min(1, p(x) / q(x)) = p(x)`` and otherwise samples
+from ``p`` with ``x`` removed and renormalised. Drawing ``y ~ p`` and accepting when ``y == x`` is
+that rule: ``P(accept) = p(x)``, and given a rejection ``y`` follows ``p(. | y != x)``; the emitted
+token follows ``p``. Because ``y`` is drawn with the key plain decoding uses at that position, a
+seeded request gives the same tokens with or without speculation. (A draft *model* proposes from
+its own distribution ``q``: it needs the general rule, with ``q`` carried across the border.)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from paged_jax.spec_decode.config import SpeculativeConfig
+from paged_jax.spec_decode.ngram import NgramProposer
+
+if TYPE_CHECKING:
+    from paged_jax.executor.interface import RowSampling, Sample
+    from paged_jax.memory.block_manager import BlockManager
+    from paged_jax.scheduler import ScheduledSeq, SchedulerOutput
+    from paged_jax.sequence import Sequence
+
+
+def num_accepted(drafts: Seq[int], target_tokens: Seq[int]) -> int:
+    """How many leading drafts equal the target's tokens at their positions."""
+    n = 0
+    while n < len(drafts) and n < len(target_tokens) and drafts[n] == target_tokens[n]:
+        n += 1
+    return n
+
+
+def position_histories(output_token_ids: list[int], num_drafts: int) -> list[list[int]]:
+    """The output tokens before each of a row's ``num_drafts + 1`` scored positions, for an output
+    whose last ``num_drafts`` tokens are drafts: what plain decoding had generated when it drew
+    the token at that position (its length is the seeded key's offset)."""
+    n = len(output_token_ids) - num_drafts
+    return [output_token_ids[:n + j] for j in range(num_drafts + 1)]
+
+
+@dataclass
+class SpecDecodeStats:
+    """Counters with vLLM's meanings (``vllm:spec_decode_num_drafts`` ...)."""
+
+    num_drafts: int = 0  # rows that ran with at least one draft token
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    proposal_time: float = 0.0  # seconds spent proposing (and growing block tables for the drafts)
+
+    def as_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["acceptance_rate"] = self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+        # Tokens a verified row yields per target step: 1 + accepted drafts (vLLM's mean acceptance length).
+        d["mean_acceptance_length"] = (1 + self.num_accepted_tokens / self.num_drafts) if self.num_drafts else None
+        return d
+
+
+class SpecDecoder:
+    """Proposes draft tokens for a step's decoding rows and verifies the target's tokens."""
+
+    def __init__(self, config: SpeculativeConfig, block_manager: "BlockManager", max_model_len: int,
+                 max_num_batched_tokens: int) -> None:
+        self.config = config
+        self.block_manager = block_manager
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
+                                      config.prompt_lookup_max, max_model_len)
+        self.stats = SpecDecodeStats()
+
+    # ---- before the step ---------------------------------------------------------------
+    def propose(self, out: "SchedulerOutput") -> dict[int, int]:
+        """Append drafts to the step's eligible decoding rows (their sequences, block tables and
+        ``num_tokens``) within the step's token budget and the free blocks. Returns {row index:
+        number of drafts}; rows without drafts are absent."""
+        t0 = time.perf_counter()
+        off = self.config.disable_by_batch_size
+        if off is not None and len(out.scheduled) >= off:
+            return {}
+        room = self.max_num_batched_tokens - out.num_batched_tokens
+        drafts: dict[int, int] = {}
+        for i, row in enumerate(out.scheduled):
+            if room <= 0:
+                break
+            if not _eligible(row):
+                continue
+            seq, p = row.seq, row.group.sampling_params
+            limit = room
+            if p.max_tokens is not None:  # never draft past max_tokens: the target's own token comes last
+                limit = min(limit, p.max_tokens - seq.get_output_len() - 1)
+            proposal = self.proposer.propose(seq.get_token_ids(), limit) if limit > 0 else []
+            n = self._grow(row, proposal, out)
+            if n:
+                drafts[i] = n
+                room -= n
+        self.stats.proposal_time += time.perf_counter() - t0
+        return drafts
+
+    def _grow(self, row: "ScheduledSeq", proposal: list[int], out: "SchedulerOutput") -> int:
+        """Append the drafts to the row's sequence and table, fewer when the free blocks do not cover
+        them all; returns how many were appended."""
+        seq, bm = row.seq, self.block_manager
+        seq.output_token_ids.extend(proposal)
+        while proposal and not bm.can_append_slots(row.group):
+            proposal.pop()
+            seq.output_token_ids.pop()
+        if not proposal:
+            return 0
+        copy = bm.append_slot(seq)
+        if copy is not None:  # the scheduler's append_slot already owns the last block; kept for safety
+            out.blocks_to_copy.append(copy)
+        row.num_tokens += len(proposal)
+        row.block_table = bm.get_block_table(seq)
+        return len(proposal)
+
+    @staticmethod
+    def attach(sampling: list["RowSampling"], drafts: dict[int, int]) -> list["RowSampling"]:
+        """The rows' sampling with each drafted row asking for the target's token at every scored position."""
+        sampling = list(sampling)
+        for i, n in drafts.items():
+            sampling[i] = dataclasses.replace(sampling[i], num_speculative_tokens=n)
+        return sampling
+
+    # ---- after the step ----------------------------------------------------------------
+    def verify(self, seq: "Sequence", num_drafts: int, samples: list["Sample"]) -> list["Sample"]:
+        """Remove the row's drafts from ``seq`` and return the target's samples to append (the
+        accepted drafts' and the target's own next token). ``seq.num_computed_tokens`` becomes the
+        tokens with valid K/V: the sequence's tokens plus the accepted drafts."""
+        if len(samples) != num_drafts + 1:
+            raise ValueError(f"sequence {seq.seq_id}: {num_drafts} drafts need {num_drafts + 1} target "
+                             f"samples, got {len(samples)}")
+        drafts = seq.output_token_ids[len(seq.output_token_ids) - num_drafts:]
+        del seq.output_token_ids[len(seq.output_token_ids) - num_drafts:]
+        accepted = num_accepted(drafts, [s.token_id for s in samples])
+        seq.num_computed_tokens = seq.get_len() + accepted
+        self.stats.num_drafts += 1
+        self.stats.num_draft_tokens += num_drafts
+        self.stats.num_accepted_tokens += accepted
+        return samples[:accepted + 1]
+
+    def finish(self, seq: "Sequence") -> None:
+        """After the verified samples were appended (fewer when a stop ended the sequence): the
+        computed tokens never exceed the sequence's, and its table covers no rejected draft."""
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.get_len() - 1)
+        if self.block_manager.has_seq(seq):
+            self.block_manager.rollback(seq, seq.num_computed_tokens)
+
+    def get_stats(self) -> dict:
+        return {**self.stats.as_dict(), "num_speculative_tokens": self.config.num_speculative_tokens,
+                "method": self.config.method}
+
+
+def _eligible(row: "ScheduledSeq") -> bool:
+    """A decoding row (its one pending token completes it) of a request speculation serves: not beam
+    search (refused at add_request), not structured output (its grammar would have to take the
+    drafts back), and not a request's first token (best_of fans out from it)."""
+    seq, group = row.seq, row.group
+    return (row.num_tokens == 1 and row.completes and seq.get_output_len() > 0 and group.beam is None
+            and seq.matcher is None)
