@@ -65,6 +65,15 @@ def test_moe_layer_matches_numpy_reference(scoring, renormalize):
         got = np.asarray(run(dict(params, router=DenseLinear(jnp.asarray(r))), jnp.asarray(x)))
         want = numpy_moe(x, r, gate_up, down, k, scoring, renormalize, shared, shared_gate)
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"{T} tokens")
+    # a batch padded with copies of one token: the padding routes nowhere (its output: the shared
+    # expert's alone), the real tokens are as before
+    x = np.concatenate([rng.standard_normal((17, H)), np.repeat(rng.standard_normal((1, H)), 7, axis=0)]).astype(np.float32)
+    real = np.arange(24) < 17
+    got = np.asarray(jax.jit(lambda p, x, m: moe.moe_mlp(p, cfg, x, m))(params, jnp.asarray(x), jnp.asarray(real)))
+    np.testing.assert_allclose(got[:17], numpy_moe(x[:17], router, gate_up, down, k, scoring, renormalize, shared,
+                                                   shared_gate), rtol=2e-5, atol=2e-5)
+    no_experts = numpy_moe(x[17:], router, gate_up, 0 * down, k, scoring, renormalize, shared, shared_gate)
+    np.testing.assert_allclose(got[17:], no_experts, rtol=2e-5, atol=2e-5)
 
 
 def test_window_ladder_holds_every_segment():

@@ -98,12 +98,15 @@ def window_sizes(num_rows: int) -> list[int]:
     return sizes + [num_rows]
 
 
-def grouped_experts(x, weights, experts, gate_up, down, act=jax.nn.silu):
+def grouped_experts(x, weights, experts, gate_up, down, act=jax.nn.silu, real=None):
     """Each token's weighted sum over its chosen experts' SwiGLU MLPs, by sort-and-segment.
 
-    x ``[T, H]``; weights, experts ``[T, k]``; gate_up ``[E, H, 2I]``; down ``[E, I, H]``."""
+    x ``[T, H]``; weights, experts ``[T, k]``; gate_up ``[E, H, 2I]``; down ``[E, I, H]``; ``real``
+    ``[T]`` bool: the step's real tokens (the others, the batch's padding, go to no expert and get 0)."""
     T, k = experts.shape
     E = gate_up.shape[0]
+    if real is not None:  # padding sorts after every expert's segment and counts for none
+        experts = jnp.where(real[:, None], experts, E)
 
     def mlp(xs, gate_up, down, weight):  # [..., rows, H] -> [..., rows, H] float32, times each row's weight
         gate, up = jnp.split(jnp.matmul(xs, gate_up), 2, axis=-1)
@@ -112,7 +115,7 @@ def grouped_experts(x, weights, experts, gate_up, down, act=jax.nn.silu):
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
     token = (order // k).astype(jnp.int32)
-    counts = jnp.bincount(flat, length=E)
+    counts = jnp.bincount(flat, length=E + 1)[:E]
     starts = jnp.cumsum(counts) - counts
     sizes = window_sizes(T)
     pad = sizes[-1]  # a window starting at the last segment may run past the end: padding rows
@@ -146,10 +149,11 @@ def grouped_experts(x, weights, experts, gate_up, down, act=jax.nn.silu):
     return jax.lax.switch(branch, [windows(s) for s in sizes]).astype(x.dtype)
 
 
-def moe_mlp(p, cfg: MoEConfig, x):
-    """The mixture's output for normed hidden states ``x`` ``[T, H]`` (``p``: :func:`moe_params`)."""
+def moe_mlp(p, cfg: MoEConfig, x, real=None):
+    """The mixture's output for normed hidden states ``x`` ``[T, H]`` (``p``: :func:`moe_params`;
+    ``real``: as :func:`grouped_experts` takes it)."""
     weights, experts = route(linear(x, p["router"]), cfg)
-    y = grouped_experts(x, weights, experts, p["gate_up"], p["down"])
+    y = grouped_experts(x, weights, experts, p["gate_up"], p["down"], real=real)
     if "shared" in p:
         shared = llama.mlp(p["shared"], x)
         if "shared_gate" in p:
@@ -158,11 +162,19 @@ def moe_mlp(p, cfg: MoEConfig, x):
     return y
 
 
+def real_tokens(attn):
+    """The step's real tokens (``[T]`` bool), from the batch metadata :func:`paged_jax.models.forward`
+    binds into ``attn`` (padded tokens belong to sequence row S); None without it."""
+    meta = getattr(attn, "keywords", {}).get("meta")
+    return None if meta is None else meta.token_seq < meta.block_tables.shape[0]
+
+
 def layer(lp, c, h, positions, kv, attn):
     """LLaMA's attention, then the mixture (or, on a layer without one, LLaMA's MLP)."""
     h, kv = llama.attention(lp, c, h, positions, kv, attn)
     x = rms_norm(h, lp["ln2"], c.norm_eps)
-    return h + (moe_mlp(lp["moe"], c.moe, x) if "moe" in lp else llama.mlp(lp, x)), kv
+    # Padding tokens all route alike: left in, they would lengthen one expert's segment, so every window
+    return h + (moe_mlp(lp["moe"], c.moe, x, real_tokens(attn)) if "moe" in lp else llama.mlp(lp, x)), kv
 
 
 # --- checkpoint tensors ------------------------------------------------------------------------
