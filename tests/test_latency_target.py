@@ -60,8 +60,12 @@ def scheduler_with_streams(model, target_ms, streams=4, budget=2048, long_len=10
              enable_chunked_prefill=True, target_itl_ms=target_ms, step_cost=model)
     for i in range(streams):
         s.add_seq_group(group(f"s{i}", 5, max_tokens=500))
-    while any(g.seqs[0].get_output_len() == 0 for g in s.running + list(s.waiting)):
-        advance(s, s.schedule())  # the streams' prompts
+    for _ in range(100):  # the streams' prompts
+        if all(g.seqs[0].get_output_len() for g in s.running + list(s.waiting)):
+            break
+        advance(s, s.schedule())
+    else:
+        raise AssertionError("the streams' prompts did not finish")
     s.add_seq_group(group("long", long_len, max_tokens=1))
     return s
 
@@ -69,7 +73,7 @@ def scheduler_with_streams(model, target_ms, streams=4, budget=2048, long_len=10
 def run_long_prefill(s):
     """Steps until the long prompt has its first token: [(decode rows, long chunk and its start)]."""
     steps = []
-    while True:
+    for _ in range(2000):
         out = s.schedule()
         decodes = [(r.num_tokens, r.start_pos) for r in out.scheduled if r.group.request_id != "long"]
         long = [(r.num_tokens, r.start_pos) for r in out.scheduled if r.group.request_id == "long"]
@@ -78,6 +82,7 @@ def run_long_prefill(s):
         advance(s, out)
         if long and long[0][0] + long[0][1] == 1000:
             return steps
+    raise AssertionError("the long prompt did not finish its prefill in 2,000 steps")
 
 
 @pytest.mark.parametrize("coef", [dict(), dict(prefill_pair=1e-7), dict(row=3e-4, decode_context=1e-6, prefill_pair=4e-8)])
@@ -348,3 +353,14 @@ def test_metrics_show_the_target_coefficients_error_and_chunks():
     assert f"paged_jax_step_cost_prediction_error {cost['median_relative_error']!r}" in text
     plain, _, _ = build_engine(SETUPS["opt-13b"], "vllm", enable_chunked_prefill=True)
     assert plain.get_stats()["step_cost"] is None and "step_cost" not in scrape(plain)
+
+
+def test_a_decode_runs_even_after_a_prefill_used_the_time():
+    """Decodes normally come first; one that comes later (a swapped request returning) still runs."""
+    from paged_jax.step_budget import StepBudget
+
+    budget = StepBudget(tokens=2048, seqs=8, block_size=BS, target_s=10.05e-3, cost=fixed_model())
+    assert budget.take(1000, 0, chunked=True) == 80  # 2 ms + 80 x 0.1 ms within 10.05 ms (a block boundary)
+    assert budget.take(500, 0, chunked=True) == 0  # no time left for a second prompt
+    assert budget.take(1, 37, chunked=True) == 1  # nor any for a decode, which runs all the same
+    assert budget.tokens == 2048 - 81 and budget.load.rows == 2
