@@ -48,9 +48,10 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--warm-up", action="store_true", help="compile every reachable step shape before serving")
     p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
                    help="store the KV cache in 8 bits with a scale per token and head (more blocks in the same memory)")
-    p.add_argument("--quantization", default=None, choices=["int8", "w8a8", "fp8"],
+    p.add_argument("--quantization", default=None, choices=["int8", "w8a8", "fp8", "int4", "int4-g128"],
                    help="quantize the layers' linear weights as they load (per output channel; w8a8: int8 "
-                        "activations per token too); a quantized checkpoint needs no flag")
+                        "activations per token too; int4: 4 bits per group of 32 rows, int4-g128 of 128); "
+                        "a quantized checkpoint needs no flag")
     p.add_argument("--native-kernels", action=argparse.BooleanOptionalAction, default=None,
                    help="the native CPU kernels (default: on where they build, unless PAGED_JAX_NATIVE=0)")
     p.add_argument("--compile-cache-dir", default=None,
