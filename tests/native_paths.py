@@ -1,14 +1,16 @@
 """Which instruction-set paths of the native kernels a test run built and ran, in a section at the
 end of pytest's output ("native kernel paths").
 
-The same native tests exercise different C++ code by the CPU they land on: the AVX-512 and VNNI
-branches compile out without those extensions, and where the CPU has them the portable loops are
-built only by the portable-build checks (-mno-avx512f, in a subprocess). The section lists each
-build the run checked (its extra flags, each kernel's path, the kernels that ran on it) and the
-paths no build of this run compiled, so a green run says what it covered.
+The same native tests exercise different C++ code by the CPU they land on: the AVX-512, VNNI and
+AVX2 branches compile out without those extensions. Where the CPU has AVX-512, the AVX2 paths are
+built by the checks without it (-mno-avx512f, in a subprocess, in the default test set) and the
+portable loops by the slow checks (-mno-avx512f -mno-avx2 -mno-fma). The section lists each build
+the run checked (its extra flags, each kernel's path, the kernels that ran on it) and the paths no
+build of this run compiled, so a green run says what it covered.
 
 The native test modules import :func:`native_paths_report` (a session fixture, autouse) to
-register the report; the portable checks hand it their subprocess's ``native.status()``."""
+register the report; the other builds' checks (:func:`run_build`) hand it their subprocess's
+``native.status()``."""
 
 from __future__ import annotations
 
@@ -24,13 +26,14 @@ def _extra_flags(status: dict) -> str:
     return " ".join(extra) or "default flags"
 
 
-def _no_avx512() -> str:
-    """Why this process's build has no AVX-512 paths (where it has none)."""
-    if "avx512f" not in native.cpu_isa():
-        return "this CPU has no avx512f"
+def _not_built() -> str:
+    """Why some paths were not built in this run."""
+    isa = native.cpu_isa()
+    if "avx512f" not in isa:
+        return f"this CPU has no avx512f{'' if 'avx2' in isa else ' and no avx2'}: those tests were skipped"
     if "-mno-avx512f" in native.status().get("flags", "").split():
         return "this process built with PAGED_JAX_NATIVE_FLAGS=-mno-avx512f"
-    return "its portable builds were not run"
+    return "the builds without them were not run (the portable one is in the slow set)"
 
 
 def describe(status: dict, who: list) -> list:
@@ -70,11 +73,12 @@ class Report:
             for line in describe(status, names):
                 tr.write_line(line)
         built = {(k, v) for _, s in merged.values() if s.get("ok") for k, v in s["paths"].items()}
-        every = {(k, v) for k in ("attention", "linear float32", "linear quantized") for v in ("avx512", "portable")}
-        every |= {("linear int8 x int8", v) for v in ("vnni", "portable")}
+        every = {("attention", v) for v in ("avx512", "portable")}
+        every |= {(k, v) for k in ("linear float32", "linear quantized") for v in native.build.LINEAR_PATHS}
+        every |= {("linear int8 x int8", v) for v in native.build.INT8_PATHS}
         never = sorted(every - built)
         if never:
-            tr.write_line(f"not built in this run: {', '.join(f'{k} {v}' for k, v in never)} ({_no_avx512()})")
+            tr.write_line(f"not built in this run: {', '.join(f'{k} {v}' for k, v in never)} ({_not_built()})")
 
 
 REPORT = Report()
@@ -85,35 +89,38 @@ def record(who: str, status: dict) -> None:
     REPORT.add(who, status)
 
 
-PORTABLE_FLAGS = "-mno-avx512f"
+AVX2_FLAGS = "-mno-avx512f"  # with -march=native on an AVX-512 CPU: its AVX2 + FMA3 paths
+PORTABLE_FLAGS = "-mno-avx512f -mno-avx2 -mno-fma"  # the loops of a CPU with neither
 
 
-def run_portable(code: str, tmp_path_factory, who: str) -> dict:
+def run_build(code: str, tmp_path_factory, who: str, flags: str = AVX2_FLAGS) -> dict:
     """Run ``code`` (a Python program whose last line of output is a JSON object with
-    ``"status": native.status()``) in a subprocess whose library is built with -mno-avx512f (the
-    loops of a CPU without AVX-512), into one cache for the session (the modules that check it
-    share the build); assert that every kernel's path in it is the portable one, record it for the
-    report, and return the object. Skipped where this process's build is portable already (a CPU
-    without AVX-512): every native test ran those loops, and the same build again would add nothing."""
+    ``"status": native.status()``) in a subprocess whose library is built with ``flags`` added
+    (:data:`AVX2_FLAGS`: no AVX-512; :data:`PORTABLE_FLAGS`: no AVX2 either), into one cache per
+    flags for the session (the modules that check it share the build); assert that no kernel's path
+    in it is one those flags turn off, record it for the report, and return the object. Skipped
+    where this process's build already has none of the paths those flags turn off (every native
+    test ran its loops, and the same build again would add nothing)."""
     import json
     import os
     import subprocess
     import sys
     from pathlib import Path
 
-    if native.available() and set(native.paths().values()) == {"portable"}:
-        pytest.skip(f"this process's native build is the portable one already ({_no_avx512()}): the other native "
-                    "tests ran its loops")
-    home = tmp_path_factory.getbasetemp() / "native-portable"
+    turned_off = {"avx512", "vnni"} if flags == AVX2_FLAGS else {"avx512", "vnni", "avx2"}
+    if native.available() and not set(native.paths().values()) & turned_off:
+        pytest.skip(f"this process's native build has no {'/'.join(sorted(turned_off))} paths already "
+                    f"({_not_built()}): the other native tests ran its loops")
+    home = tmp_path_factory.getbasetemp() / f"native{flags.replace(' ', '')}"
     root = str(Path(__file__).resolve().parents[1])
-    env = dict(os.environ, PAGED_JAX_HOME=str(home), PAGED_JAX_NATIVE_FLAGS=PORTABLE_FLAGS, JAX_PLATFORMS="cpu",
+    env = dict(os.environ, PAGED_JAX_HOME=str(home), PAGED_JAX_NATIVE_FLAGS=flags, JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     res = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600, cwd=root)
     assert res.returncode == 0, res.stderr[-3000:]
     out = json.loads(res.stdout.strip().splitlines()[-1])
     status = out["status"]
     assert status["library"].startswith(str(home)), status
-    assert set(status["paths"].values()) == {"portable"}, status["paths"]
+    assert not set(status["paths"].values()) & turned_off, status["paths"]
     record(who, status)
     return out
 

@@ -10,7 +10,7 @@ from paged_jax import native
 from paged_jax.models.layers import linear
 from paged_jax.weights import DenseEmbedding, DenseLinear, PanelEmbedding, PanelLinear
 from paged_jax.weights.panels import int8_packable, pack_int8, pack_quantized, quantized_packable, to_panels
-from tests.native_paths import native_paths_report, run_portable  # noqa: F401 (autouse: the paths report)
+from tests.native_paths import PORTABLE_FLAGS, native_paths_report, run_build  # noqa: F401 (autouse: the paths report)
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels not built: {native.status()}")
 
@@ -116,7 +116,7 @@ def _packed_layers(runner) -> bool:
     return any(isinstance(p, PanelLinear) for p in runner.params["layers"][0].values())
 
 
-@pytest.mark.skipif(not native.packs_weights(), reason="no AVX-512 matmul here: runners keep plain weights")
+@pytest.mark.skipif(not native.packs_weights(), reason="no AVX-512 or AVX2 matmul here: runners keep plain weights")
 def test_runner_packs_on_cpu_and_step_matches_xla(tiny_llama_dir, monkeypatch):
     """The runner's step with packed weights gives the logits of the same step with XLA's
     matmuls (native switched off), on prompts and decode rows."""
@@ -204,33 +204,49 @@ print(json.dumps({"errs": errs, "status": native.status(), "packs_weights": nati
 
 
 @needs_native
-def test_portable_loops_without_avx512(tmp_path_factory):
-    """The matmuls' loops for CPUs without AVX-512 (built with -mno-avx512f, in its own process)
-    give the same products: float32, int8 / int4 / fp8 weights, and int8 x int8 (no VNNI either)."""
-    out = run_portable(PORTABLE_CHECK, tmp_path_factory, "test_native_linear.py::test_portable_loops_without_avx512")
+def test_avx2_paths_without_avx512(tmp_path_factory):
+    """The matmuls' AVX2 + FMA3 tiles (built with -mno-avx512f, in its own process: on an AVX-512
+    CPU, that CPU with AVX-512 turned off) give the same products: float32, int8 / int4 / fp8
+    weights, and int8 x int8 (vpmaddwd, no VNNI); the runner packs float32 weights for them."""
+    out = run_build(PORTABLE_CHECK, tmp_path_factory, "test_native_linear.py::test_avx2_paths_without_avx512")
     assert len(out["errs"]) == 12 and max(out["errs"]) < 1e-3, out["errs"]
     assert {"linear float32", "linear int8", "linear int4", "linear fp8",
             "linear int8 x int8"} <= set(out["status"]["traced"])
-    assert out["packs_weights"] is False  # the runner keeps XLA's float32 matmuls
+    avx2 = "avx2" in native.cpu_isa()
+    paths = out["status"]["paths"]
+    assert [paths["linear float32"], paths["linear quantized"], paths["linear int8 x int8"]] == \
+        ["avx2" if avx2 else "portable"] * 3
+    assert out["packs_weights"] is avx2  # the AVX2 tiles beat XLA's float32 matmul (bench_matmul_isa.py)
 
 
 @needs_native
-def test_avx512_tiles_where_the_cpu_has_them(monkeypatch, tiny_llama_dir):
+@pytest.mark.slow
+def test_portable_loops_without_avx2(tmp_path_factory):
+    """The portable loops (built with -mno-avx512f -mno-avx2 -mno-fma) give the same products;
+    the runner keeps XLA's float32 matmuls there (the loops are slower)."""
+    out = run_build(PORTABLE_CHECK, tmp_path_factory, "test_native_linear.py::test_portable_loops_without_avx2",
+                    PORTABLE_FLAGS)
+    assert len(out["errs"]) == 12 and max(out["errs"]) < 1e-3, out["errs"]
+    assert set(out["status"]["paths"].values()) == {"portable"}
+    assert out["packs_weights"] is False
+
+
+@needs_native
+def test_isa_paths_where_the_cpu_has_them(monkeypatch, tiny_llama_dir):
     """The default build uses AVX-512 (VNNI for the int8 x int8 matmul) exactly where the CPU has it,
-    in every kernel; a runner packs float32 weights only then."""
+    else AVX2 where it has that, in every kernel; a runner packs float32 weights only then."""
     from paged_jax.executor.model_runner import ModelRunner
     from paged_jax.executor.loading import load_for_serving
 
-    with open("/proc/cpuinfo") as f:
-        flags = next((line for line in f if line.startswith("flags")), "").split()
+    isa = native.cpu_isa()
     off = "-mno-avx512f" in native.build._flags()  # PAGED_JAX_NATIVE_FLAGS: this CPU's AVX2 paths, on purpose
-    has = "avx512f" in flags and not off
-    vnni = has and "avx512_vnni" in flags
-    assert native.status()["avx512_matmul"] == has == native.packs_weights()
-    want = "avx512" if has else "portable"
-    assert native.paths() == {"attention": want, "linear float32": want, "linear quantized": want,
-                              "linear int8 x int8": "vnni" if vnni else "portable"}
-    monkeypatch.setitem(native._state, "avx512_matmul", False)  # as on a CPU without AVX-512
+    has = "avx512f" in isa and not off
+    linear = "avx512" if has else "avx2" if "avx2" in isa else "portable"
+    int8 = "vnni" if has and "avx512_vnni" in isa else "avx2" if "avx2" in isa else "portable"
+    assert native.paths() == {"attention": "avx512" if has else "portable", "linear float32": linear,
+                              "linear quantized": linear, "linear int8 x int8": int8}
+    assert native.packs_weights() == (linear != "portable")
+    monkeypatch.setitem(native._state, "linear_isa", 0)  # as on a CPU with neither
     cfg, params, _ = load_for_serving(str(tiny_llama_dir), "float32", 1)
     runner = ModelRunner(cfg, params, 4, 8, 0)
     assert not _packed_layers(runner)
@@ -390,7 +406,7 @@ def test_int8_by_int8_linear_matches_numpy_and_xla_to_the_bit(M, K, N, per_tenso
 
 
 @needs_native
-def test_pack_params_packs_w8a8_only_where_vnni_runs_it():
+def test_pack_params_packs_w8a8_only_where_an_integer_kernel_runs_it():
     from paged_jax.weights import PanelInt8Linear, PanelQuantizedLinear, QuantizedLinear
 
     rng = np.random.default_rng(3)
@@ -398,7 +414,52 @@ def test_pack_params_packs_w8a8_only_where_vnni_runs_it():
     odd = QuantizedLinear(p.values[:62], p.scale, in_features_=62, act="int8")  # inputs not a multiple of 4
     grouped = QuantizedLinear(p.values, jnp.ones((2, 32)), in_features_=64, act="int8", block=(32, 1))
     packed = to_panels({"a": p, "odd": odd, "grouped": grouped})
-    assert isinstance(packed["a"], PanelInt8Linear) == native.status()["vnni_matmul"]
+    assert isinstance(packed["a"], PanelInt8Linear) == (native.paths()["linear int8 x int8"] != "portable")
     assert packed["odd"] is odd  # XLA's integer dot
     # scales per group: not an integer matmul, QuantizedLinear multiplies the rounded activations in float32
     assert isinstance(packed["grouped"], PanelQuantizedLinear) and packed["grouped"].act == "int8"
+
+
+def _q4_0(w, group):
+    """numpy's llama.cpp q4_0 of ``w [K, N]`` along K: in each group of each column the weight of
+    largest magnitude m gives the scale m / -8, the rest round(w / scale) clipped to [-8, 7];
+    returns (the dequantized weight, the scales repeated per row)."""
+    K, N = w.shape
+    g = w.reshape(K // group, group, N).astype(np.float32)
+    m = np.take_along_axis(g, np.abs(g).argmax(axis=1)[:, None], axis=1)
+    d = np.where(m == 0, np.float32(1), m / np.float32(-8))
+    q = np.clip(np.round(g / d), -8, 7)
+    return (q * d).reshape(K, N), np.repeat(d[:, 0], group, axis=0)
+
+
+@pytest.mark.parametrize("method,K,group", [("int4", 128, 32), ("int4-g128", 256, 128), ("int4", 40, 40)])
+def test_int4_on_load_is_q4_0_and_runs_on_the_kernel(method, K, group):
+    """quantization="int4" / "int4-g128": each group of rows (or the whole column, where 32 does not
+    divide the inputs) as numpy's q4_0; the layer's products (the native kernel where built, XLA's
+    dequantizing matmul otherwise) equal x @ that weight; unknown methods are refused by name."""
+    from paged_jax.weights import QuantizedLinear
+    from paged_jax.weights.methods.on_load import quantize_layers
+
+    rng = np.random.default_rng(K)
+    w = rng.standard_normal((K, 48)).astype(np.float32)
+    w[5, 3] = 0
+    w[:group, 7] = 0  # an all-zero group
+    params = quantize_layers({"layers": [{"w": DenseLinear(jnp.asarray(w))}]}, method)
+    q = params["layers"][0]["w"]
+    assert isinstance(q, QuantizedLinear) and q.bits == 4 and q.values.shape == (K // 2, 48)
+    assert q.scale.shape == (K // group, 48)
+    want, d = _q4_0(w, group)
+    got = np.asarray(q.dequantize())
+    # XLA may divide by the scale as a multiply by its reciprocal: a weight on a .5 can round the
+    # other way (one level); every other weight is numpy's
+    np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 + 1.0001 * np.abs(d).max())
+    assert np.mean(got == want) > 0.999
+    inside = w / d <= 7.5  # clipped at 7: the other sign's extreme, up to one level off
+    assert np.all(np.abs(got - w)[inside] <= (np.abs(d) * 0.5 + 1e-6)[inside]) and inside.mean() > 0.99
+    assert np.all(np.abs(got - w) <= np.abs(d) + 1e-6) and not got[:group, 7].any()
+    x = rng.standard_normal((3, K)).astype(np.float32)
+    layer = to_panels({"w": q})["w"] if native.available() else q
+    np.testing.assert_allclose(np.asarray(layer(jnp.asarray(x))), x.astype(np.float64) @ got, rtol=1e-5,
+                               atol=1e-5 * np.sqrt(K))
+    with pytest.raises(ValueError, match="int4-g128.*got 'int3'"):
+        quantize_layers({"layers": []}, "int3")

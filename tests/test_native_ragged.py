@@ -14,7 +14,7 @@ import pytest
 
 from paged_jax import native
 from paged_jax.attention import kv_quant
-from tests.native_paths import native_paths_report, run_portable  # noqa: F401 (autouse: the paths report)
+from tests.native_paths import native_paths_report, run_build  # noqa: F401 (autouse: the paths report)
 from tests.test_kv_quant_kernels import numpy_attention, numpy_dequantize
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernel not built: {native.status()}")
@@ -185,7 +185,8 @@ def test_portable_loops_without_avx512(tmp_path_factory):
     """The kernel's loops for CPUs without AVX-512 (built with -mno-avx512f, in its own process:
     keys transposed element by element, plain value loops) give the same attention, in every
     cache dtype, with a sliding window and a soft-cap."""
-    out = run_portable(PORTABLE_CHECK, tmp_path_factory, "test_native_ragged.py::test_portable_loops_without_avx512")
+    out = run_build(PORTABLE_CHECK, tmp_path_factory, "test_native_ragged.py::test_portable_loops_without_avx512")
+    assert out["status"]["paths"]["attention"] == "portable"
     assert {"attention float32", "attention bfloat16", "attention int8 cache",
             "attention fp8 cache"} <= set(out["status"]["traced"])
     bad = [(case, err, tol) for case, err, tol in out["checks"] if not err < tol]

@@ -43,7 +43,9 @@ def _flags() -> list[str]:
 
 
 _lock = threading.Lock()
-# "ok": bool, "error": str, "library": path, "flags": str, "avx512_matmul", "vnni_matmul", "avx512_attention": bool
+# "ok": bool, "error": str, "library": path, "flags": str, "linear_isa", "int8_isa": int (2 AVX-512 / VNNI,
+# 1 AVX2, 0 portable), "int8_matmul" (an int8 x int8 kernel with integer instructions: VNNI or AVX2),
+# "vnni_matmul", "avx512_attention": bool
 _state: dict = {}
 # The kernels (by the names of KERNELS) this process has put into a computation. Which instruction
 # set each runs is fixed when the library is built (see paths()): together they say what a test run
@@ -121,8 +123,9 @@ def available() -> bool:
                                        *QUANTIZED_TARGETS.values(), INT8_TARGET):
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                 _state.update(ok=True, library=str(path), flags=" ".join(_flags()),
-                              avx512_matmul=bool(lib.PagedJaxLinearAvx512()),
-                              vnni_matmul=bool(lib.PagedJaxLinearVnni()), avx512_attention=bool(lib.PagedJaxAttentionAvx512()))
+                              linear_isa=int(lib.PagedJaxLinearIsa()), int8_isa=int(lib.PagedJaxLinearInt8Isa()),
+                              int8_matmul=lib.PagedJaxLinearInt8Isa() > 0, vnni_matmul=lib.PagedJaxLinearInt8Isa() == 2,
+                              avx512_attention=bool(lib.PagedJaxAttentionAvx512()))
             except Exception as e:  # no compiler, a failed build, an FFI this jaxlib lacks: run the jnp path
                 _state.update(ok=False, error=str(e))
                 logger.warning("native CPU kernels unavailable, using XLA's (jnp decode attention, XLA "
@@ -142,14 +145,18 @@ def status() -> dict:
 
 def paths() -> dict:
     """Which code each kernel of the built library runs, compiled in or out by the instruction set
-    it was built for: {"attention", "linear float32", "linear quantized": "avx512" | "portable",
-    "linear int8 x int8": "vnni" | "portable"}; {} before a successful build."""
+    it was built for: {"attention": "avx512" | "portable", "linear float32", "linear quantized":
+    "avx512" | "avx2" | "portable", "linear int8 x int8": "vnni" | "avx2" | "portable"}; {} before a
+    successful build."""
     if not _state.get("ok"):
         return {}
-    avx = {True: "avx512", False: "portable"}
-    return {"attention": avx[_state["avx512_attention"]], "linear float32": avx[_state["avx512_matmul"]],
-            "linear quantized": avx[_state["avx512_matmul"]],
-            "linear int8 x int8": "vnni" if _state["vnni_matmul"] else "portable"}
+    linear = LINEAR_PATHS[_state["linear_isa"]]
+    return {"attention": "avx512" if _state["avx512_attention"] else "portable", "linear float32": linear,
+            "linear quantized": linear, "linear int8 x int8": INT8_PATHS[_state["int8_isa"]]}
+
+
+LINEAR_PATHS = ("portable", "avx2", "avx512")  # by the library's PagedJaxLinearIsa()
+INT8_PATHS = ("portable", "avx2", "vnni")  # by PagedJaxLinearInt8Isa()
 
 
 def trace(kernel: str) -> None:
@@ -164,8 +171,7 @@ def loaded() -> bool:
 
 
 def packs_weights() -> bool:
-    """Whether a runner on this CPU should pack its weights for :func:`linear`: the kernels are
-    built, with the matmul's AVX-512 tiles (its portable loops run slower than XLA's matmul)."""
-    return available() and bool(_state.get("avx512_matmul"))
-
-
+    """Whether a runner on this CPU should pack its float32 weights for :func:`linear`: the kernels
+    are built, with the matmul's AVX-512 or AVX2 tiles (both beat XLA's float32 matmul at decode
+    batch sizes, ``experiments/bench_matmul_isa.py``; the portable loops lose to it)."""
+    return available() and _state.get("linear_isa", 0) > 0

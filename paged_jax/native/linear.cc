@@ -12,6 +12,12 @@
 // difference against XLA's CPU matmuls, see experiments/roofline.py). Panels are shared out
 // over XLA's intra-op thread pool in contiguous ranges (parallel.h). Sums run over k in order, in float32
 // with fused multiply-adds.
+//
+// Three builds of the tiles, by the instruction set the library is compiled for (-march=native):
+// AVX-512 (32 registers of 16 floats: up to 8 rows x 48 columns at once), AVX2 with FMA3 (16
+// registers of 8 floats: one row over the whole panel, or up to 6 rows x 16 columns, the panel
+// walked in 16-column strips that stay in L1/L2 after the first strip's pass) and portable loops.
+// All three sum each output over k in order with one rounding per multiply-add where FMA exists.
 
 #include <algorithm>
 #include <cstdint>
@@ -23,13 +29,22 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#define PAGED_JAX_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PAGED_JAX_AVX2 1
 #endif
 
 namespace ffi = xla::ffi;
 
 namespace {
 
+#if defined(PAGED_JAX_AVX2)
+constexpr int64_t kRows = 6;  // rows of x per register tile: 6 x 16 columns fill AVX2's 16 registers
+#else
 constexpr int64_t kRows = 8;  // rows of x per register tile
+#endif
+constexpr int kStrip = 16;    // AVX2: columns per strip of a multi-row tile
 using paged_jax_native::ForEachPanelChunk;
 // Tunable when building: PAGED_JAX_NATIVE_FLAGS=-DPAGED_JAX_PREFETCH=... (1536 to 12288 measured alike here).
 #ifndef PAGED_JAX_PREFETCH
@@ -45,8 +60,8 @@ inline void PrefetchRow(const float* p, int64_t w) {
 template <int R, int W, bool Add = false>
 inline void Tile(const float* x, int64_t ldx, const float* panel, float* y, int64_t ldy, int64_t K,
                  bool prefetch) {
+#if defined(PAGED_JAX_AVX512)
   constexpr int V = W / 16;
-#if defined(__AVX512F__)
   __m512 acc[R][V];
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = Add ? _mm512_loadu_ps(y + r * ldy + 16 * v) : _mm512_setzero_ps();
@@ -62,6 +77,27 @@ inline void Tile(const float* x, int64_t ldx, const float* panel, float* y, int6
   }
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(y + r * ldy + 16 * v, acc[r][v]);
+#elif defined(PAGED_JAX_AVX2)
+  // one row: the whole panel width at once; more: 16-column strips (R x 2 accumulators)
+  constexpr int C = R == 1 ? W : kStrip, V = C / 8;
+  for (int c0 = 0; c0 < W; c0 += C) {
+    __m256 acc[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[r][v] = Add ? _mm256_loadu_ps(y + r * ldy + c0 + 8 * v) : _mm256_setzero_ps();
+    const bool pf = prefetch && c0 == 0;
+    for (int64_t k = 0; k < K; ++k) {
+      const float* b = panel + k * W + c0;
+      if (pf) PrefetchRow(b + kPrefetch, W);
+      __m256 bv[V];
+      for (int v = 0; v < V; ++v) bv[v] = _mm256_loadu_ps(b + 8 * v);
+      for (int r = 0; r < R; ++r) {
+        const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
+        for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(a, bv[v], acc[r][v]);
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) _mm256_storeu_ps(y + r * ldy + c0 + 8 * v, acc[r][v]);
+  }
 #else
   float acc[R][W] = {};
   if (Add)
@@ -177,7 +213,7 @@ inline float QValue(const uint8_t* row, int64_t k, int64_t c) {
   return static_cast<float>(((row[c] >> ((k & 1) * 4)) & 0xF) - 8);
 }
 
-#if defined(__AVX512F__)
+#if defined(PAGED_JAX_AVX512)
 template <QFormat F, bool Zero>
 inline __m512 QLoad(const uint8_t* row, int64_t k, int v, __m512 scale, __m512 zero) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v));
@@ -206,13 +242,41 @@ inline __m512 QLoad(const uint8_t* row, int64_t k, int v, __m512 scale, __m512 z
   if (Zero) f = _mm512_sub_ps(f, zero);
   return _mm512_mul_ps(f, scale);
 }
+#elif defined(PAGED_JAX_AVX2)
+// 8 weights of a row (columns c .. c + 7) as float32: ((q - zero) * scale), as QValue does.
+template <QFormat F, bool Zero>
+inline __m256 QLoad8(const uint8_t* row, int64_t k, int64_t c, __m256 scale, __m256 zero) {
+  const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c));
+  __m256 f;
+  if (F == QFormat::kFp8) {  // Fp8E4M3ToFloat (fp8.h), 8 at a time
+    const __m256i u = _mm256_cvtepu8_epi32(bytes);
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(u, _mm256_set1_epi32(0x80)), 24);
+    const __m256i mag = _mm256_and_si256(u, _mm256_set1_epi32(0x7f));
+    const __m256i normal = _mm256_add_epi32(_mm256_slli_epi32(mag, 20), _mm256_set1_epi32(120 << 23));
+    const __m256 subnormal = _mm256_mul_ps(_mm256_cvtepi32_ps(mag), _mm256_set1_ps(0x1p-9f));
+    const __m256 is_normal = _mm256_castsi256_ps(_mm256_cmpgt_epi32(mag, _mm256_set1_epi32(7)));
+    f = _mm256_or_ps(_mm256_blendv_ps(subnormal, _mm256_castsi256_ps(normal), is_normal), _mm256_castsi256_ps(sign));
+  } else {
+    __m256i q;
+    if (F == QFormat::kInt8) {
+      q = _mm256_cvtepi8_epi32(bytes);
+    } else {
+      q = _mm256_cvtepu8_epi32(bytes);
+      if (k & 1) q = _mm256_srli_epi32(q, 4);
+      q = _mm256_sub_epi32(_mm256_and_si256(q, _mm256_set1_epi32(0xF)), _mm256_set1_epi32(8));
+    }
+    f = _mm256_cvtepi32_ps(q);
+  }
+  if (Zero) f = _mm256_sub_ps(f, zero);
+  return _mm256_mul_ps(f, scale);
+}
 #endif
 
 // Register tile: y[0:R, 0:W] = x[0:R, 0:K] @ the panel, dequantized as it is read.
 template <int R, int W, QFormat F, bool Zero>
 inline void QTile(const float* x, int64_t ldx, const QPanelView& q, float* y, int64_t ldy, int64_t K) {
   const int64_t G = K / q.group;
-#if defined(__AVX512F__)
+#if defined(PAGED_JAX_AVX512)
   constexpr int V = W / 16;
   __m512 acc[R][V];
   for (int r = 0; r < R; ++r)
@@ -236,6 +300,32 @@ inline void QTile(const float* x, int64_t ldx, const QPanelView& q, float* y, in
   }
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) _mm512_storeu_ps(y + r * ldy + 16 * v, acc[r][v]);
+#elif defined(PAGED_JAX_AVX2)
+  constexpr int C = R == 1 ? W : kStrip, V = C / 8;  // as Tile: whole rows for one row, else strips
+  for (int c0 = 0; c0 < W; c0 += C) {
+    __m256 acc[R][V];
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < G; ++g) {
+      __m256 sv[V], zv[V];
+      for (int v = 0; v < V; ++v) {
+        sv[v] = _mm256_loadu_ps(q.scales + g * W + c0 + 8 * v);
+        zv[v] = Zero ? _mm256_loadu_ps(q.zeros + g * W + c0 + 8 * v) : _mm256_setzero_ps();
+      }
+      for (int64_t k = g * q.group; k < (g + 1) * q.group; ++k) {
+        const uint8_t* row = QRow<F>(q.values, k, W);
+        if (c0 == 0) __builtin_prefetch(row + 4 * kPrefetch, 0, 3);
+        __m256 bv[V];
+        for (int v = 0; v < V; ++v) bv[v] = QLoad8<F, Zero>(row, k, c0 + 8 * v, sv[v], zv[v]);
+        for (int r = 0; r < R; ++r) {
+          const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
+          for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(a, bv[v], acc[r][v]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r)
+      for (int v = 0; v < V; ++v) _mm256_storeu_ps(y + r * ldy + c0 + 8 * v, acc[r][v]);
+  }
 #else
   float acc[R][W] = {};
   for (int64_t k = 0; k < K; ++k) {
@@ -368,10 +458,12 @@ ffi::Error SumImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuf
 
 }  // namespace
 
-// 1 when the matmul was built with its AVX-512 tiles, 0 for the portable loops (slower than
-// XLA's matmul: the runner then keeps plain weights).
-extern "C" int PagedJaxLinearAvx512() {
-#if defined(__AVX512F__)
+// Which tiles the float32 and quantized matmuls were built with: 2 AVX-512, 1 AVX2 with FMA3,
+// 0 the portable loops (slower than XLA's matmul: the runner then keeps plain float32 weights).
+extern "C" int PagedJaxLinearIsa() {
+#if defined(PAGED_JAX_AVX512)
+  return 2;
+#elif defined(PAGED_JAX_AVX2)
   return 1;
 #else
   return 0;

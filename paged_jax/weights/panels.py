@@ -206,9 +206,10 @@ def to_panels(params, floats: bool = True, int8: Optional[bool] = None):
     panels (by type, not by name; everything else stays as it was). ``floats=False``: the
     quantized weights only (without AVX-512 the float matmul's portable loops are slower than
     XLA's; the quantized one's are still far faster than XLA's dequantize-then-dot). ``int8``: W8A8
-    weights to the int8 x int8 kernel (default: where the library was built with VNNI)."""
+    weights to the int8 x int8 kernel (default: where the library was built with its integer tiles,
+    AVX-512 VNNI or AVX2's vpmaddwd; its portable loops are slower than float32)."""
     if int8 is None:
-        int8 = bool(native.status().get("vnni_matmul"))
+        int8 = bool(native.status().get("int8_matmul"))
 
     def pack(x):
         if isinstance(x, QuantizedLinear) and int8 and int8_packable(x):

@@ -21,7 +21,7 @@ def prepare(params, platform: str, *, quantization: Optional[str] = None, tensor
     2. on a CPU, with one device (``tensor_parallel`` False) and ``native_kernels`` where the
        native library builds: the weights its matmuls take stored as panels
        (:func:`~paged_jax.weights.panels.to_panels`): quantized ones always, float32 ones where the
-       float matmul has its AVX-512 tiles (its portable loops are slower than XLA's matmul).
+       float matmul has its AVX-512 or AVX2 tiles (its portable loops are slower than XLA's matmul).
 
     Called once, where the engine loads the model: nothing after it repacks."""
     if quantization is not None:
@@ -30,5 +30,5 @@ def prepare(params, platform: str, *, quantization: Optional[str] = None, tensor
         floats = native.packs_weights()
         params = to_panels(params, floats=floats)
         logger.info("weights stored for the native CPU matmuls (%s)", "float32 and quantized" if floats else
-                    "quantized only: the float32 matmul's AVX-512 tiles are not built here")
+                    "quantized only: the float32 matmul has neither AVX-512 nor AVX2 tiles here")
     return params
