@@ -31,4 +31,9 @@ def prepare(params, platform: str, *, quantization: Optional[str] = None, tensor
         params = to_panels(params, floats=floats)
         logger.info("weights stored for the native CPU matmuls (%s)", "float32 and quantized" if floats else
                     "quantized only: the float32 matmul has neither AVX-512 nor AVX2 tiles here")
+        if quantization is not None and native.paths()["linear quantized"] == "portable":
+            # every quantized format measured slower than float32 there (experiments/bench_matmul_isa.py)
+            logger.warning("quantization=%r: this CPU's native build has neither AVX-512 nor AVX2 tiles, and the "
+                           "quantized matmuls' portable loops run slower than float32 weights (they still take "
+                           "less memory); load without quantization for speed", quantization)
     return params
