@@ -8,8 +8,10 @@ prompt arrives and runs to its first token. One process, side by side:
 
 - **no target**: the engine's default (chunked prefill, a 256-token budget per step);
 - **target k x**: ``target_itl_ms`` = k times the decode step measured in the no-target run (the
-  median step of the streams alone), for each k of ``--multiples``. The step-cost model is
-  calibrated first (``paged_jax.step_cost.calibrate``, what ``warm_up`` runs).
+  median step of the streams alone), for each k of ``--multiples``.
+
+Every engine is warmed up first (``warm_up``: every step shape compiled, and with a target the
+step-cost model calibrated).
 
 Each configuration runs the scenario on one engine until a run compiles nothing (the first compiles
 the shapes it reaches; a target's chunk sizes may reach new ones later), at most 4 times, and reports
@@ -36,7 +38,6 @@ def run(a) -> list[dict]:
     from paged_jax.engine import LLMEngine
     from paged_jax.engine_args import EngineArgs
     from paged_jax.models.tiny import make_tiny_model
-    from paged_jax.step_cost import calibrate
 
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -45,8 +46,7 @@ def run(a) -> list[dict]:
         for k in [None, *a.multiples]:
             target = None if k is None else round(k * decode_ms, 2)
             engine = LLMEngine(EngineArgs(model=model, max_model_len=a.prompt_len + 128, target_itl_ms=target))
-            if target is not None:
-                calibrate(engine)
+            engine.warm_up(progress=False)  # every step shape compiled first (a target reaches many); then calibrates
             rng = np.random.default_rng(0)
             vocab = engine.model_config.vocab_size
             runs, alone = [], []

@@ -23,6 +23,7 @@ from paged_jax.sampling_params import SamplingParams
 from paged_jax.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from paged_jax.seeds import seed_for_sample
 from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
+from paged_jax.step_cost import StepCostModel, StepLoad, calibrate
 from paged_jax.text import check_stop, detokenize_incrementally
 
 logger = logging.getLogger("paged_jax")
@@ -36,12 +37,21 @@ class LLMEngine:
         parts = build_engine_parts(args)
         self.args, self.model_config, self.tokenizer = args, parts.model_config, parts.tokenizer
         self.eos_token_ids, self.eos_token_id = parts.eos_token_ids, parts.eos_token_id
-        self._init_core(parts.scheduler_config, parts.block_manager, parts.runner, parts.model_config.vocab_size)
+        step_cost = None
+        if parts.scheduler_config.target_itl_ms is not None:
+            from paged_jax.attention.metadata import TILE_SIZE
+            from paged_jax.executor.batch import step_buckets
+
+            # The runner computes a step's tokens padded to its bucket, prefill queries in tiles: the model counts those.
+            step_cost = StepCostModel(padded_tokens=lambda tokens, rows: step_buckets(tokens, rows)[0],
+                                      query_tile=TILE_SIZE)
+        self._init_core(parts.scheduler_config, parts.block_manager, parts.runner, parts.model_config.vocab_size,
+                        step_cost=step_cost)
 
     @classmethod
     def from_components(cls, scheduler_config: SchedulerConfig, block_manager: BlockManager, executor: Executor,
                         vocab_size: int, tokenizer=None, eos_token_id: Optional[int] = None,
-                        clock=time.monotonic) -> "LLMEngine":
+                        clock=time.monotonic, step_cost: Optional[StepCostModel] = None) -> "LLMEngine":
         """An engine over given parts, without loading a model: ``executor`` implements
         :class:`paged_jax.executor.interface.Executor` (a simulator, a test's fake). With
         no tokenizer, requests are given as token ids and nothing is detokenized (stop
@@ -51,14 +61,14 @@ class LLMEngine:
         engine.args, engine.model_config, engine.tokenizer = None, None, tokenizer
         engine.eos_token_id = eos_token_id
         engine.eos_token_ids = frozenset(() if eos_token_id is None else (eos_token_id,))
-        engine._init_core(scheduler_config, block_manager, executor, vocab_size, clock)
+        engine._init_core(scheduler_config, block_manager, executor, vocab_size, clock, step_cost)
         return engine
 
     def _init_core(self, scheduler_config: SchedulerConfig, block_manager: BlockManager, executor: Executor,
-                   vocab_size: int, clock=time.monotonic) -> None:
+                   vocab_size: int, clock=time.monotonic, step_cost: Optional[StepCostModel] = None) -> None:
         self.scheduler_config = scheduler_config
         self.block_manager = block_manager
-        self.scheduler = Scheduler(scheduler_config, block_manager)
+        self.scheduler = Scheduler(scheduler_config, block_manager, step_cost)
         self.runner = executor
         self.vocab_size = vocab_size
         self.clock = clock
@@ -79,10 +89,13 @@ class LLMEngine:
         max_model_len; see ``paged_jax.executor.batch.warmup_shapes``) and the sampler for
         ``sampling_params`` (default greedy), so that serving compiles nothing. With JAX's
         persistent compilation cache a second start loads them from disk. Returns the number
-        of step shapes compiled now."""
+        of step shapes compiled now. With a latency target it then runs a few short internal
+        requests to calibrate the step-cost model (:func:`paged_jax.step_cost.calibrate`)."""
         c = self.scheduler_config
-        return self.runner.warm_up(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len, sampling_params,
-                                   self.eos_token_id, progress)
+        compiled = self.runner.warm_up(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len, sampling_params,
+                                       self.eos_token_id, progress)
+        calibrate(self)  # with a latency target: the step-cost model from a few measured steps (no-op otherwise)
+        return compiled
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> "LLMEngine":
@@ -209,9 +222,11 @@ class LLMEngine:
         """One iteration. Returns the outputs of the requests it touched (finished ones last time)."""
         pending, self._pending_outputs = self._pending_outputs, []
         self._failed: set[str] = set()  # requests whose processing raised this step (see _fail_request)
-        t0 = time.perf_counter()
+        t0, start, compilations = time.perf_counter(), self.clock(), self.runner.num_compilations
         out = self.scheduler.schedule()
         self.num_steps += 1
+        # With a latency target, the whole step's time (what a stream waits) feeds the step-cost model.
+        load = StepLoad.of((r.num_tokens, r.start_pos) for r in out.scheduled) if self.scheduler.step_cost else None
         t1 = time.perf_counter()
         sampling, masks = [self._row_sampling(row) for row in out.scheduled], None
         if self._grammars is not None:
@@ -275,6 +290,8 @@ class LLMEngine:
                 self._groups.pop(rid, None)
                 self._prompt_logprobs.pop(rid, None)
         self.timings["process"] += time.perf_counter() - t2
+        if load is not None and self.runner.num_compilations == compilations:  # a compiling step is no sample
+            self.scheduler.step_cost.observe(load, self.clock() - start)
         return outputs
 
     def _row_sampling(self, row: ScheduledSeq) -> RowSampling:
@@ -438,4 +455,8 @@ class LLMEngine:
             # stop checks and freeing, detokenize included) and executor (prepare = batch arrays,
             # cache_ops, device = jitted forward, sample).
             "timings": {**self.timings, **self.runner.timings},
+            # With target_itl_ms: the step-cost model's coefficients (seconds per unit of each term), its
+            # median relative prediction error and the prefill chunk sizes chosen (paged_jax.step_cost).
+            "target_itl_ms": self.scheduler_config.target_itl_ms,
+            "step_cost": self.scheduler.step_cost.stats() if self.scheduler.step_cost else None,
         }

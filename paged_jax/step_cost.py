@@ -9,11 +9,14 @@ of what it holds (:class:`StepLoad`)::
               + c_token * min(padded_tokens, knee) + c_token_past_knee * max(padded_tokens - knee, 0)
               + c_decode_context * cached tokens read by decode rows
               + c_prefill_pair * query-key pairs of prefill rows
+              + c_prefill_read * cached tokens read by prefill rows, once per query tile
 
 ``padded_tokens`` is the token count the executor really computes (the real engine
 pads a step to a power-of-two bucket, so a chunk that spills into the next bucket
 costs that bucket); the pairs of a prefill chunk of ``q`` tokens after ``c`` cached
-ones are ``q * (c + (q + 1) / 2)`` (causal). These are the terms of the simulator's
+ones are ``q * (c + (q + 1) / 2)`` (causal); a chunk reads its ``c + q`` keys once per
+query tile of the executor's attention kernel (``query_tile`` tokens; 256 on the CPU's ragged kernel),
+so a small chunk late in a long prompt costs about what a full tile costs. These are the terms of the simulator's
 roofline (``experiments/cost_model.py``) that grow with a step's contents. The
 token term bends at a ``knee``: on a GPU it is the roofline's ridge (below it the
 layers' time is reading the weights, whatever the tokens: ``c_token`` near 0; above
@@ -41,7 +44,7 @@ from typing import Callable, Iterable, Optional
 
 import numpy as np
 
-TERMS = ("step", "row", "token", "token_past_knee", "decode_context", "prefill_pair")
+TERMS = ("step", "row", "token", "token_past_knee", "decode_context", "prefill_pair", "prefill_read")
 KNEES = (1, 16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024)  # tried as the roofline's ridge
 
 
@@ -55,6 +58,7 @@ class StepLoad:
     decode_context: int = 0  # cached tokens read by rows of one new token
     prefill_pairs: float = 0.0  # query-key pairs computed by rows of several new tokens
     prefill_chunks: list[int] = field(default_factory=list)  # new tokens of each prefill row
+    prefill_rows: list[tuple[int, int]] = field(default_factory=list)  # (new, cached) tokens of each prefill row
 
     def add(self, q: int, c: int) -> None:
         self.rows += 1
@@ -62,12 +66,13 @@ class StepLoad:
         if q > 1:
             self.prefill_pairs += q * (c + (q + 1) / 2)
             self.prefill_chunks.append(q)
+            self.prefill_rows.append((q, c))
         else:
             self.decode_context += c
 
     def plus(self, q: int, c: int) -> "StepLoad":
-        """A copy with one more row (the chunk list is not copied: predictions ignore it)."""
-        load = StepLoad(self.rows, self.tokens, self.decode_context, self.prefill_pairs)
+        """A copy with one more row (the chunk sizes are not copied: predictions ignore them)."""
+        load = StepLoad(self.rows, self.tokens, self.decode_context, self.prefill_pairs, [], list(self.prefill_rows))
         load.add(q, c)
         return load
 
@@ -83,16 +88,17 @@ class StepCostModel:
     """Predicted step seconds from a :class:`StepLoad`; :meth:`observe` feeds measured steps.
 
     ``padded_tokens(tokens, rows)`` is the token count the executor computes (default:
-    the tokens themselves). A fit runs every ``refit_every`` observations; at least
+    the tokens themselves); ``query_tile`` the query tile of its attention kernel (None: one per row). A fit runs every ``refit_every`` observations; at least
     ``min_observations`` decode-only steps and as many steps with prefill tokens are
     needed before the model is :attr:`calibrated`.
     """
 
     def __init__(self, padded_tokens: Optional[Callable[[int, int], int]] = None, window: int = 128,
-                 refit_every: int = 16, min_observations: int = 4):
+                 refit_every: int = 16, min_observations: int = 4, query_tile: Optional[int] = None):
         import scipy.optimize  # noqa: F401  (imported now, not by the first fit in the middle of serving)
 
         self.padded_tokens = padded_tokens or (lambda tokens, rows: tokens)
+        self.query_tile = query_tile  # None: a prefill row reads its keys once
         self.refit_every, self.min_observations = refit_every, min_observations
         self._decode: deque = deque(maxlen=window)  # (features, seconds) of decode-only steps
         self._mixed: deque = deque(maxlen=window)  # ... of steps with prefill tokens
@@ -106,10 +112,14 @@ class StepCostModel:
 
     # ---- prediction ------------------------------------------------------------
     def features(self, load: StepLoad) -> np.ndarray:
-        """The amounts of step, row, padded tokens, decode context, prefill pairs (:func:`with_knee` splits
+        """The amounts of step, row, padded tokens, decode context, prefill pairs, prefill reads (:func:`with_knee` splits
         the tokens at the knee into the two token terms)."""
         return np.array([1.0, load.rows, self.padded_tokens(load.tokens, load.rows) if load.rows else 0,
-                         load.decode_context, load.prefill_pairs], dtype=float)
+                         load.decode_context, load.prefill_pairs, self._prefill_read(load)], dtype=float)
+
+    def _prefill_read(self, load: StepLoad) -> float:
+        tile = self.query_tile
+        return float(sum((c + q) * (-(-q // tile) if tile else 1) for q, c in load.prefill_rows))
 
     @property
     def calibrated(self) -> bool:

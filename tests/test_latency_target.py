@@ -26,18 +26,21 @@ from tests.test_scheduler import advance, group
 BS = 16  # block size of the scheduler tests
 
 
-def fixed_model(step=2e-3, row=0.0, token=1e-4, decode_context=0.0, prefill_pair=0.0) -> StepCostModel:
-    model = StepCostModel()
-    model.coefficients = np.array([step, row, token, token, decode_context, prefill_pair])  # knee 1: one slope
+def fixed_model(step=2e-3, row=0.0, token=1e-4, decode_context=0.0, prefill_pair=0.0, prefill_read=0.0,
+                query_tile=None) -> StepCostModel:
+    model = StepCostModel(query_tile=query_tile)
+    # Knee 1: one slope for every token.
+    model.coefficients = np.array([step, row, token, token, decode_context, prefill_pair, prefill_read])
     return model
 
 
 def seconds(coef, rows: list[tuple[int, int]]) -> float:
     """The step time the coefficients give, written out term by term (the tests' own arithmetic)."""
-    step, row, token, _, dctx, pair = coef
+    step, row, token, _, dctx, pair, read = coef
     t = step + row * len(rows) + token * sum(q for q, _ in rows)
     t += dctx * sum(c for q, c in rows if q == 1)
     t += pair * sum(q * (c + (q + 1) / 2) for q, c in rows if q > 1)
+    t += read * sum((c + q) * math.ceil(q / TILE) for q, c in rows if q > 1)  # keys read once per query tile
     return t
 
 
@@ -85,9 +88,13 @@ def run_long_prefill(s):
     raise AssertionError("the long prompt did not finish its prefill in 2,000 steps")
 
 
-@pytest.mark.parametrize("coef", [dict(), dict(prefill_pair=1e-7), dict(row=3e-4, decode_context=1e-6, prefill_pair=4e-8)])
+TILE = 64  # the fixed models' query tile
+
+
+@pytest.mark.parametrize("coef", [dict(), dict(prefill_pair=1e-7),
+                                  dict(row=3e-4, decode_context=1e-6, prefill_pair=4e-8, prefill_read=2e-6)])
 def test_chunks_are_the_largest_the_target_allows(coef):
-    model = fixed_model(**coef)
+    model = fixed_model(**coef, query_tile=TILE)
     target_ms = 10.05
     s = scheduler_with_streams(model, target_ms)
     steps = run_long_prefill(s)
@@ -157,8 +164,8 @@ def test_random_arrivals_finish_lose_no_block_and_keep_the_target(arrivals, targ
 
 
 # ---- the fit -----------------------------------------------------------------------------------
-# Step, row, token up to the knee (64 tokens), past it, decode context, prefill pair.
-TRUE = np.array([3e-3, 4e-5, 2.5e-4, 1.5e-4, 2e-8, 3e-9])
+# Step, row, token up to the knee (64 tokens), past it, decode context, prefill pair, prefill read.
+TRUE = np.array([3e-3, 4e-5, 2.5e-4, 1.5e-4, 2e-8, 3e-9, 3e-7])
 TRUE_KNEE = 64
 
 

@@ -61,7 +61,8 @@ def _step_cost_metrics(s: dict):
     yield GaugeMetricFamily(PREFIX + "target_itl_seconds", "The latency target the scheduler keeps.",
                             value=s["target_itl_ms"] / 1e3)
     coef = GaugeMetricFamily(PREFIX + "step_cost_coefficient", "The step-cost model's seconds per unit of each "
-                             "term (step, row, token, token_past_knee, decode_context, prefill_pair).", labels=["term"])
+                             "term (step, row, token, token_past_knee, decode_context, prefill_pair, prefill_read).",
+                             labels=["term"])
     for term, value in (cost["coefficients"] or {}).items():
         coef.add_metric([term], value)
     yield coef
