@@ -20,7 +20,7 @@ the step with and without). Quantized weights (int8, int4 packed two to a byte, 
 with scales and optional zero points per column or block and per group of rows, in activation
 order or not) are multiplied by :func:`linear_quantized`, which reads the quantized panels and turns them into float32 on
 the way. W8A8 (int8 activations per token, int8 weights per column) is an integer matmul,
-:func:`linear_int8`, where the library was built with AVX-512 VNNI. Which weights are stored
+:func:`linear_int8`, where the library was built with AVX-512 VNNI or AVX2. Which weights are stored
 this way, and when, is :mod:`paged_jax.weights.panels`' and :func:`paged_jax.weights.prepare`'s
 business: this package is the build (:mod:`~paged_jax.native.build`), the FFI calls
 (:mod:`~paged_jax.native.attention`, :mod:`~paged_jax.native.linear`) and the C++, and imports
@@ -30,7 +30,8 @@ The library is compiled with the system's C++ compiler the first time it is
 needed, into ``$PAGED_JAX_HOME/native`` (default ``~/.cache/paged_jax/native``),
 keyed by the sources, the compiler flags, jaxlib's version and this CPU; extra flags
 come from ``PAGED_JAX_NATIVE_FLAGS``. The attention kernel and the matmuls use AVX-512 (the int8
-x int8 one AVX-512 VNNI) where the CPU has it and portable loops elsewhere (the float32 matmul's are
+x int8 one AVX-512 VNNI) where the CPU has it; the matmuls use AVX2 + FMA3 tiles where it has those
+instead (the int8 x int8 one ``vpmaddwd``), and portable loops elsewhere (the float32 matmul's are
 correct but slower than XLA's matmul); :func:`paths` says which a build compiled in, and
 ``status()["traced"]`` which kernels ran. When no compiler is found or the build fails,
 :func:`available` is False, a warning says why, and everything runs in XLA (plain

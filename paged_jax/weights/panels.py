@@ -3,7 +3,7 @@ their dense or quantized sources, in column panels the kernels stream from memor
 
 :func:`to_panels` makes them from a model's params, by type: a float32 ``DenseLinear`` becomes a
 ``PanelLinear``, a ``QuantizedLinear`` the kernel takes a ``PanelQuantizedLinear`` (or, W8A8 where
-the library has its VNNI int8 x int8 matmul, a ``PanelInt8Linear``), a tied float32
+the library has its VNNI or AVX2 int8 x int8 matmul, a ``PanelInt8Linear``), a tied float32
 ``DenseEmbedding`` a ``PanelEmbedding``. They exist only on a CPU with one device (they declare
 no sharded axes); :func:`paged_jax.weights.prepare` decides when.
 """
@@ -204,7 +204,7 @@ def pack_int8(p: QuantizedLinear):
 def to_panels(params, floats: bool = True, int8: Optional[bool] = None):
     """A copy of a model's params with each weight object the native kernels take stored as
     panels (by type, not by name; everything else stays as it was). ``floats=False``: the
-    quantized weights only (without AVX-512 the float matmul's portable loops are slower than
+    quantized weights only (without AVX-512 or AVX2 the float matmul's portable loops are slower than
     XLA's; the quantized one's are still far faster than XLA's dequantize-then-dot). ``int8``: W8A8
     weights to the int8 x int8 kernel (default: where the library was built with its integer tiles,
     AVX-512 VNNI or AVX2's vpmaddwd; its portable loops are slower than float32)."""
