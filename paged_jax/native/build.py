@@ -172,6 +172,8 @@ def loaded() -> bool:
 
 def packs_weights() -> bool:
     """Whether a runner on this CPU should pack its float32 weights for :func:`linear`: the kernels
-    are built, with the matmul's AVX-512 or AVX2 tiles (both beat XLA's float32 matmul at decode
-    batch sizes, ``experiments/bench_matmul_isa.py``; the portable loops lose to it)."""
-    return available() and _state.get("linear_isa", 0) > 0
+    are built, with the matmul's AVX-512 tiles. Its AVX2 tiles beat XLA's float32 matmul at batch 1
+    but lose to it at batch 8 (decode tokens/s 1.16x and 0.83x, ``experiments/bench_isa_decode.py``
+    on an AVX-512 CPU with AVX-512 turned off), and the portable loops lose at both, so float32
+    weights stay with XLA there (quantized ones are packed wherever the kernels are built)."""
+    return available() and _state.get("linear_isa", 0) == 2

@@ -21,7 +21,8 @@ def prepare(params, platform: str, *, quantization: Optional[str] = None, tensor
     2. on a CPU, with one device (``tensor_parallel`` False) and ``native_kernels`` where the
        native library builds: the weights its matmuls take stored as panels
        (:func:`~paged_jax.weights.panels.to_panels`): quantized ones always, float32 ones where the
-       float matmul has its AVX-512 or AVX2 tiles (its portable loops are slower than XLA's matmul).
+       float matmul has its AVX-512 tiles (:func:`~paged_jax.native.packs_weights`: its AVX2 tiles
+       lose to XLA's matmul at batch 8, its portable loops at every batch).
 
     Called once, where the engine loads the model: nothing after it repacks."""
     if quantization is not None:
@@ -30,7 +31,7 @@ def prepare(params, platform: str, *, quantization: Optional[str] = None, tensor
         floats = native.packs_weights()
         params = to_panels(params, floats=floats)
         logger.info("weights stored for the native CPU matmuls (%s)", "float32 and quantized" if floats else
-                    "quantized only: the float32 matmul has neither AVX-512 nor AVX2 tiles here")
+                    "quantized only: without AVX-512 tiles XLA's float32 matmul is the faster at batch 8")
         if quantization is not None and native.paths()["linear quantized"] == "portable":
             # every quantized format measured slower than float32 there (experiments/bench_matmul_isa.py)
             logger.warning("quantization=%r: this CPU's native build has neither AVX-512 nor AVX2 tiles, and the "
