@@ -371,3 +371,35 @@ def test_a_decode_runs_even_after_a_prefill_used_the_time():
     assert budget.take(500, 0, chunked=True) == 0  # no time left for a second prompt
     assert budget.take(1, 37, chunked=True) == 1  # nor any for a decode, which runs all the same
     assert budget.tokens == 2048 - 81 and budget.load.rows == 2
+
+
+@pytest.mark.slow
+def test_long_prompt_with_prefix_caching_and_preemption_gives_the_same_tokens_with_a_target(tmp_path):
+    """A 3,000-token prompt beside others sharing a prefix, in a pool small enough to preempt, with
+    prefix caching: the same greedy tokens with a target (calibrated, one block per step) as without."""
+    from paged_jax import SamplingParams
+    from paged_jax.engine import LLMEngine
+    from paged_jax.models.tiny import make_tiny_model
+
+    model = str(make_tiny_model(tmp_path, family="llama", seed=0, max_position_embeddings=4096))
+    rng = np.random.default_rng(1)
+    shared = rng.integers(3, 500, size=64).tolist()
+    prompts = [rng.integers(3, 500, size=3000).tolist()] + [shared + rng.integers(3, 500, size=n).tolist()
+                                                            for n in (5, 40, 90)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    results, preemptions = {}, {}
+    for target in (None, 1.0):
+        engine = LLMEngine(EngineArgs(model=model, max_num_seqs=4, num_kv_blocks=200, enable_prefix_caching=True,
+                                      target_itl_ms=target))
+        calibrate(engine)
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), None, params, p)
+        done = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                if o.finished:
+                    done[o.request_id] = o.outputs[0].token_ids
+            engine.block_manager.check_invariants()
+        results[target], preemptions[target] = done, sum(engine.get_stats()["num_preemptions"].values())
+    assert results[1.0] == results[None] and len(results[None]) == 4
+    assert preemptions[1.0] > 0
