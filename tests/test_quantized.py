@@ -363,8 +363,9 @@ def test_a_family_that_reads_fused_weights_as_float_refuses_them_quantized(ct_di
 
 
 def test_quantization_on_load_names_the_allowed_values():
-    with pytest.raises(ValueError, match=r"quantization must be None or one of \['int8', 'w8a8', 'fp8'\], got 'int4'"):
-        LLM(quantization="int4")
+    with pytest.raises(ValueError, match=r"quantization must be None or one of \['int8', 'w8a8', 'fp8', 'int4', "
+                                         r"'int4-g128'\], got 'int3'"):
+        LLM(quantization="int3")
 
 
 # --- quantization on load, on the trained default model --------------------------------------------
