@@ -463,3 +463,14 @@ def test_int4_on_load_is_q4_0_and_runs_on_the_kernel(method, K, group):
                                atol=1e-5 * np.sqrt(K))
     with pytest.raises(ValueError, match="int4-g128.*got 'int3'"):
         quantize_layers({"layers": []}, "int3")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["int4", "int4-g128"])
+def test_int4_on_load_keeps_held_out_perplexity_within_five_percent(method):
+    """The issue's bound for 4 bits on the trained default model (measured on 64 windows of 256
+    tokens: 1.0038x for groups of 32, 1.0036x for 128; on these 4 windows of 128, see the assert)."""
+    from tests.test_quantized import held_out_perplexity_ratio
+
+    ratio = held_out_perplexity_ratio(quantization=method)
+    assert ratio != 1 and abs(ratio - 1) < 0.05, ratio
