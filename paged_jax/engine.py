@@ -15,10 +15,11 @@ import time
 from typing import Optional, Union
 
 from paged_jax.engine_args import DYNAMIC_ROPE_SHARING, EngineArgs, build_engine_parts
-from paged_jax.beam_search import BeamState, beam_step, num_candidates
+from paged_jax.beam_search import BeamState, num_candidates
+from paged_jax.engine_beams import apply_beam_step
 from paged_jax.executor.interface import Executor, RowSampling
 from paged_jax.memory.block_manager import BlockManager
-from paged_jax.outputs import RequestOutput, make_logprobs_dict, request_output
+from paged_jax.outputs import RequestOutput, request_output
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from paged_jax.seeds import seed_for_sample
@@ -267,7 +268,7 @@ class LLMEngine:
                 self.block_manager.mark_blocks_computed(row.seq)
         for rid, rows in beam_rows.items():
             try:
-                fork_copies += self._beam_step(touched[rid], rows)
+                fork_copies += apply_beam_step(self, touched[rid], rows)
             except Exception as exc:
                 self._fail_request(touched[rid], exc)
         for rid in self._failed:  # samples forked after the failure inherit nothing: end them all
@@ -328,71 +329,6 @@ class LLMEngine:
         for k, i in enumerate(rows):
             sampling[i] = dataclasses.replace(sampling[i], params=with_bitmask(sampling[i].params, masks.row(k)))
         return sampling, masks
-
-    def _beam_step(self, group: SequenceGroup, rows: list) -> list[tuple[int, int]]:
-        """Advance a beam search by one token: keep, fork and free beams through the block manager.
-        Returns the device copies the forks need (none with block sharing)."""
-        p, state = group.sampling_params, group.beam
-        beams = [seq for seq, _ in rows]
-        stops = self._stop_token_ids(p)
-        hyps = [s for s in group.seqs if s.beam_score is not None]
-        d = beam_step(state, [s.cumulative_logprob for s in beams], [smp.candidates for _, smp in rows],
-                      beams[0].get_output_len(), [s.beam_score for s in hyps], lambda t: t in stops)
-
-        def extend(seq: Sequence, c) -> None:
-            entry = None
-            if p.logprobs is not None:
-                ids, lps = next(smp.candidates for s, smp in rows if s is beams[c.parent])
-                entry = make_logprobs_dict(c.token_id, c.logprob, ids, lps, p.logprobs)
-            seq.append_token_id(c.token_id, c.logprob, entry)
-            seq.cumulative_logprob = float(c.score)  # the float32 sum the search ranks by
-            self.num_generated_tokens += 1
-            self._detokenize(seq, p)
-
-        for c, score in d.finished:  # finished hypotheses hold no blocks
-            hyp = beams[c.parent].fork(next(self._seq_counter))
-            extend(hyp, c)
-            hyp.beam_score = float(score)
-            if c.token_id in stops:
-                hyp.status = SequenceStatus.FINISHED_STOPPED
-                hyp.stop_reason = c.token_id if c.token_id in p.stop_token_ids else None
-            else:
-                hyp.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-            group.add(hyp)
-        hyps = sorted((s for s in group.seqs if s.beam_score is not None), key=lambda s: -s.beam_score)
-        if not hyps and d.done:  # nothing finished (a vocabulary smaller than the width): keep the beams
-            for c in d.running:
-                hyp = beams[c.parent].fork(next(self._seq_counter))
-                extend(hyp, c)
-                hyp.beam_score = float(c.score)
-                hyp.status = SequenceStatus.FINISHED_LENGTH_CAPPED
-                group.add(hyp)
-            hyps = sorted((s for s in group.seqs if s.beam_score is not None), key=lambda s: -s.beam_score)
-        dropped = {s.seq_id for s in hyps[state.width:]}
-
-        # The next beams: a parent chosen once goes on itself, twice or more is forked first;
-        # parents nobody chose are freed before that, so their blocks can serve the forks.
-        running = [] if d.done else d.running
-        taken = {c.parent for c in running}
-        for b, parent in enumerate(beams):
-            if b not in taken:
-                self.scheduler.free_seq(parent)
-                dropped.add(parent.seq_id)
-        plan, continued, copies = [], set(), []
-        for c in running:
-            parent = beams[c.parent]
-            if c.parent in continued:
-                child = parent.fork(next(self._seq_counter))
-                copies += self.block_manager.fork(parent, child)
-                group.add(child)
-                plan.append((child, c))
-            else:
-                continued.add(c.parent)
-                plan.append((parent, c))
-        for seq, c in plan:
-            extend(seq, c)
-        group.seqs = [s for s in group.seqs if s.seq_id not in dropped]
-        return copies
 
     def _append(self, seq: Sequence, smp, group: SequenceGroup) -> None:
         if group.request_id in self._failed:
