@@ -176,7 +176,7 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
 // contiguous groups.
 //
 // Two ways, by the rows of x in a unit of work:
-// - up to kRegisterRows (decode at small batch): each weight becomes float32 in registers as it
+// - up to RegisterRows() (decode at small batch): each weight becomes float32 in registers as it
 //   streams in and serves every row at once (QTile);
 // - more (prefill): slabs of kSlab weight rows become float32 once, into a buffer that stays in
 //   L1, and the float tiles run over it, 8 rows at a time: the conversion is paid once per slab
@@ -185,10 +185,6 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
 // Both round (q - zero) * scale to float32 once and add it into the sums over k in order, so the
 // two agree to the bit. PAGED_JAX_NATIVE_FLAGS=-DPAGED_JAX_REGISTER_ROWS=... moves the switch.
 
-#ifndef PAGED_JAX_REGISTER_ROWS
-#define PAGED_JAX_REGISTER_ROWS 8
-#endif
-constexpr int64_t kRegisterRows = PAGED_JAX_REGISTER_ROWS;
 constexpr int64_t kSlab = 128;  // weight rows per float32 slab: 128 x 48 floats = 24 KiB
 
 struct QPanelView {
@@ -200,6 +196,20 @@ struct QPanelView {
 
 // The stored value formats: int8, int4 (two rows to a byte, stored plus 8), float8 e4m3fn.
 enum class QFormat { kInt8, kInt4, kFp8 };
+
+// The register tiles' limit by format: on AVX2 the int4 and fp8 conversions (several instructions
+// per 8 weights, paid again by every 6-row tile) make slabs faster from 6 rows on (measured: int4 at
+// 8 rows 1.3x faster as slabs), while int8's single widening keeps register tiles ahead up to 8.
+template <QFormat F>
+constexpr int64_t RegisterRows() {
+#if defined(PAGED_JAX_REGISTER_ROWS)
+  return PAGED_JAX_REGISTER_ROWS;
+#elif defined(PAGED_JAX_AVX2)
+  return F == QFormat::kInt8 ? 8 : 5;
+#else
+  return 8;
+#endif
+}
 
 template <QFormat F>
 inline const uint8_t* QRow(const uint8_t* panel, int64_t k, int64_t W) {
@@ -356,8 +366,14 @@ void Dequantize(const QPanelView& q, int64_t k0, int64_t k1, float* out) {
       const uint8_t* row = QRow<F>(q.values, k, W);
       __builtin_prefetch(row + 4 * kPrefetch, 0, 3);
       float* o = out + (k - k0) * W;
+#if defined(PAGED_JAX_AVX2)  // the register tiles' conversion: the compiler's own of QValue is slower here
+      for (int c = 0; c < W; c += 8)
+        _mm256_storeu_ps(o + c, QLoad8<F, Zero>(row, k, c, _mm256_loadu_ps(sc + c),
+                                                Zero ? _mm256_loadu_ps(zc + c) : _mm256_setzero_ps()));
+#else
 #pragma omp simd
       for (int c = 0; c < W; ++c) o[c] = (Zero ? QValue<F>(row, k, c) - zc[c] : QValue<F>(row, k, c)) * sc[c];
+#endif
     }
   }
 }
@@ -366,7 +382,7 @@ template <int W, QFormat F, bool Zero>
 void QPanel(const float* x, int64_t m0, int64_t m1, int64_t K, const QPanelView& q, float* y, int64_t N) {
   const float* xs = x + m0 * K;  // register tiles
   float* ys = y + m0 * N;
-  if (m1 - m0 <= kRegisterRows) {
+  if (m1 - m0 <= RegisterRows<F>()) {
     for (int64_t m = m0; m < m1; m += kRows, xs += kRows * K, ys += kRows * N) {
       switch (std::min<int64_t>(kRows, m1 - m)) {
         case 8: QTile<8, W, F, Zero>(xs, K, q, ys, N, K); break;
