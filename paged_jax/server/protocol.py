@@ -135,3 +135,27 @@ def reject_surrogates(request: BaseModel) -> None:
         path, text = found
         raise APIError(f"Invalid value for '{path}': the string holds a lone UTF-16 surrogate, which is not "
                        f"valid Unicode text; got {ascii(text):.200}", 400, param=path.split(".")[0].split("[")[0])
+
+
+def constraint_spec(structured_outputs: Optional[dict], response_format: Optional[dict]) -> tuple[Optional[dict], str]:
+    """A request's constraint as ``StructuredOutputsParams.from_dict`` takes it, and the field it came
+    from: vLLM's ``structured_outputs``, or OpenAI's ``response_format`` (chat) translated
+    (``json_object``; ``json_schema``'s ``schema``; ``text`` is no constraint). APIError 400 naming
+    the field for both at once or a response_format this server does not know."""
+    if response_format is None or response_format.get("type") == "text":
+        return structured_outputs, "structured_outputs"
+    field, kind = "response_format", response_format.get("type")
+    if structured_outputs is not None:
+        raise APIError("give either response_format or structured_outputs, not both", 400, param=field)
+    if kind == "json_object":
+        return {"json_object": True}, field
+    if kind == "json_schema":
+        inner = response_format.get("json_schema")
+        schema = inner.get("schema") if isinstance(inner, dict) else None
+        if schema is None:
+            raise APIError("response_format of type json_schema needs json_schema.schema (a JSON schema "
+                           "object), e.g. {'type': 'json_schema', 'json_schema': {'name': 'x', "
+                           "'schema': {...}}}", 400, param=field)
+        return {"json": schema}, field
+    raise APIError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                   400, param=field)

@@ -27,7 +27,8 @@ from paged_jax.outputs import CompletionOutput, RequestOutput
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.server.async_engine import AsyncLLMEngine, EngineDeadError, RequestStream
 from paged_jax.server.prompts import PromptBuilder
-from paged_jax.server.protocol import SAMPLING_FIELDS, APIError, ChatCompletionRequest, CompletionRequest
+from paged_jax.server.protocol import (SAMPLING_FIELDS, APIError, ChatCompletionRequest, CompletionRequest,
+                                       constraint_spec)
 from paged_jax.server.responses import (ChoiceState, chat_logprobs, completion_logprobs, merge_logprobs,
                                         prompt_logprobs_legacy, sse)
 from paged_jax.structured_output import StructuredOutputsParams
@@ -116,27 +117,7 @@ class OpenAIServing:
         """The request's constraint (vLLM's ``structured_outputs`` or, on chat, OpenAI's
         ``response_format``) and the field it came from, compiled off the event loop (the engine
         then finds it in its cache). Bad input gets 400 naming what is wrong."""
-        field, spec = "structured_outputs", None
-        if response_format is not None and response_format.get("type") != "text":
-            if req.structured_outputs is not None:
-                raise APIError("give either response_format or structured_outputs, not both", 400,
-                               param="response_format")
-            field, kind = "response_format", response_format.get("type")
-            if kind == "json_object":
-                spec = {"json_object": True}
-            elif kind == "json_schema":
-                inner = response_format.get("json_schema")
-                schema = inner.get("schema") if isinstance(inner, dict) else None
-                if schema is None:
-                    raise APIError("response_format of type json_schema needs json_schema.schema (a JSON schema "
-                                   "object), e.g. {'type': 'json_schema', 'json_schema': {'name': 'x', "
-                                   "'schema': {...}}}", 400, param=field)
-                spec = {"json": schema}
-            else:
-                raise APIError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
-                               400, param=field)
-        elif req.structured_outputs is not None:
-            spec = req.structured_outputs
+        spec, field = constraint_spec(req.structured_outputs, response_format)
         if spec is None:
             return None, field
         try:
