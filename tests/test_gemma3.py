@@ -3,7 +3,6 @@ window of its five windowed layers, and the RoPE of each layer kind as transform
 
 from __future__ import annotations
 
-import functools
 
 import numpy as np
 import pytest
@@ -49,7 +48,7 @@ BASE = dict(architectures=["Gemma3ForCausalLM"], model_type="gemma3_text", vocab
 def test_each_layer_kind_rotates_as_transformers_does(rope):
     import transformers
 
-    from paged_jax.models import model_config_from_hf
+    from paged_jax.models import LayerAttention, model_config_from_hf
     from paged_jax.models.gemma3 import rope_of
 
     cfg = dict(BASE, **rope)
@@ -59,7 +58,7 @@ def test_each_layer_kind_rotates_as_transformers_does(rope):
         8 if kind == "sliding_attention" else None for kind in hf.config.layer_types]
     assert "full_attention" in hf.config.layer_types and "sliding_attention" in hf.config.layer_types
     for i, kind in enumerate(hf.config.layer_types):
-        layer_attn = functools.partial(lambda: None, spec=ours.attention_spec(i))  # as models.forward binds it
+        layer_attn = LayerAttention(ours.attention_spec(i), meta=None, backend=None)  # as models.forward makes it
         np.testing.assert_allclose(rope_of(ours, layer_attn).inv_freq,
                                    getattr(hf.rotary_emb, f"{kind}_inv_freq").numpy(), rtol=1e-6)
 

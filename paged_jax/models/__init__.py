@@ -11,9 +11,10 @@ registered once in ``FAMILIES`` below.
 
 from __future__ import annotations
 
-import functools
+import dataclasses
+from typing import Any
 
-from paged_jax.attention import paged_attention_layer
+from paged_jax.attention import AttentionSpec, paged_attention_layer
 from paged_jax.models import (gemma2, gemma3, gpt2, llama, mistral, mixtral, opt, phi3, qwen2, qwen2_moe, qwen3,
                               qwen3_moe)
 from paged_jax.errors import ModelLoadError
@@ -60,10 +61,25 @@ def model_config_from_hf(cfg: dict, dtype: str = "auto", where: str = "model") -
         raise ModelLoadError(f"{where}: malformed config.json: {e}") from e
 
 
+@dataclasses.dataclass(frozen=True)
+class LayerAttention:
+    """What a family's layer calls as ``attn(q, k, v, kv_cache) -> (out, kv_cache)``: the step's paged
+    attention through one layer's cache. ``spec`` (the layer's :class:`AttentionSpec`: scale, window,
+    soft-cap) and ``meta`` (the step's metadata) are there for layers that need them: a RoPE per layer
+    kind (Gemma 3), the step's real tokens (a mixture of experts skips padding)."""
+
+    spec: AttentionSpec
+    meta: Any
+    backend: Any
+
+    def __call__(self, q, k, v, kv_cache):
+        return paged_attention_layer(q, k, v, kv_cache, meta=self.meta, spec=self.spec, backend=self.backend)
+
+
 def forward(params, config: ModelConfig, input_ids, positions, kv_caches, meta, attn, rope_lengths=None):
-    """``attn`` is the attention backend; each layer gets it bound to the batch's metadata and
-    the layer's :class:`AttentionSpec`, as ``attn(q, k, v, kv_cache) -> (out, kv_cache)``.
-    ``rope_lengths``: with dynamic-NTK RoPE, each token's rotation length."""
+    """``attn`` is the attention backend; each layer gets a :class:`LayerAttention` of it for the
+    batch's metadata and the layer's :class:`AttentionSpec`. ``rope_lengths``: with dynamic-NTK RoPE,
+    each token's rotation length."""
     fam = FAMILIES[config.family]
     h = fam.embed(params, config, input_ids, positions)
     # Dynamic NTK rotates each token for its own rotation length (the batch's, set from the request's
@@ -71,7 +87,7 @@ def forward(params, config: ModelConfig, input_ids, positions, kv_caches, meta, 
     layer_positions = (positions, rope_lengths) if config.rope_type == "dynamic" else positions
     new_caches = []
     for i, (lp, kv) in enumerate(zip(params["layers"], kv_caches)):
-        layer_attn = functools.partial(paged_attention_layer, meta=meta, spec=config.attention_spec(i), backend=attn)
+        layer_attn = LayerAttention(config.attention_spec(i), meta, attn)
         h, kv = fam.layer(lp, config, h, layer_positions, kv, layer_attn)
         new_caches.append(kv)
     return fam.final(params, config, h), new_caches
@@ -88,5 +104,5 @@ def compute_logits(params, config: ModelConfig, hidden):
     return logits
 
 
-__all__ = ["ModelConfig", "ModelFamily", "FAMILIES", "forward", "compute_logits", "model_config_from_hf",
+__all__ = ["ModelConfig", "ModelFamily", "FAMILIES", "LayerAttention", "forward", "compute_logits", "model_config_from_hf",
            "supported_architectures"]

@@ -41,9 +41,9 @@ def config_from_hf(cfg: dict, dt: str, where: str) -> ModelConfig:
 
 def rope_of(c: ModelConfig, attn):
     """The RoPE of the layer ``attn`` serves: the sliding one on a windowed layer, the config's
-    otherwise. (The layer knows its kind from the :class:`AttentionSpec` that
-    :func:`paged_jax.models.forward` binds into ``attn``.)"""
-    spec = attn.keywords["spec"]
+    otherwise. (The layer knows its kind from its :class:`AttentionSpec`, ``attn.spec``: see
+    :class:`paged_jax.models.LayerAttention`.)"""
+    spec = attn.spec
     if spec.sliding_window is None:
         return c.rope_frequencies()
     return dataclasses.replace(c, rope_theta=c.sliding_rope_theta, rope_scaling=None).rope_frequencies()

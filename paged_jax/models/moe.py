@@ -163,9 +163,9 @@ def moe_mlp(p, cfg: MoEConfig, x, real=None):
 
 
 def real_tokens(attn):
-    """The step's real tokens (``[T]`` bool), from the batch metadata :func:`paged_jax.models.forward`
-    binds into ``attn`` (padded tokens belong to sequence row S); None without it."""
-    meta = getattr(attn, "keywords", {}).get("meta")
+    """The step's real tokens (``[T]`` bool), from the step's metadata ``attn.meta`` (see
+    :class:`paged_jax.models.LayerAttention`; padded tokens belong to sequence row S); None without it."""
+    meta = getattr(attn, "meta", None)
     return None if meta is None else meta.token_seq < meta.block_tables.shape[0]
 
 
