@@ -4,15 +4,16 @@ are built for, side by side in one run.
     python experiments/bench_isa_decode.py [--batches 1 8] [--tokens 32] [--repeats 3] [--rounds 2]
 
 The model of ``bench_quantized.py`` (a LLaMA 512 wide, 8 layers, vocabulary 4,096, random, made
-here), loaded as float32 (with its weights packed for the native matmul where the build does, and
-left to XLA's matmul: "float32 XLA") and quantized on load (``quantization="int8" | "int4" |
+here), loaded as float32 (its weights packed into panels for the native matmul, "f32 panels", and
+left to XLA's matmul, "f32 XLA") and quantized on load (``quantization="int8" | "int4" |
 "w8a8"``). Each
 build runs in its own process (the kernels' paths are fixed when the library is compiled; XLA's
 generated code is held to the same set with ``--xla_cpu_max_isa``): the default ``-march=native``,
 and ``-mno-avx512f`` (AVX2 + FMA3; on an AVX-512 machine that machine with AVX-512 turned off, not
 an AVX2 CPU). The builds alternate for ``--rounds`` rounds, the formats interleave within each
 (``bench_quantized.decode_seconds``), and the fastest is kept. Prints tokens/s at each batch size
-with each format's ratio to float32 in the same build.
+with each format's ratio to the float32 the engine runs in that build (``native.packs_weights()``
+says which of the two), and which float32 is the faster.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import sys
 import tempfile
 
 BUILDS = {"native": ("", None), "AVX-512 off (AVX2)": ("-mno-avx512f", "AVX2")}
-# name: quantization on load; "float32 XLA": float32 weights left to XLA's matmul (not packed into panels)
-FORMATS = {"float32": None, "float32 XLA": None, "int8": "int8", "int4": "int4", "w8a8": "w8a8"}
+# name: quantization on load; float32 weights packed into panels for the native matmul, or left to XLA's
+FORMATS = {"f32 panels": None, "f32 XLA": None, "int8": "int8", "int4": "int4", "w8a8": "w8a8"}
 
 CHILD = r"""
 import json, sys
@@ -35,9 +36,9 @@ from bench_quantized import decode_seconds
 from paged_jax import LLM, native
 model, batches, tokens, repeats = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 engines = {}
-packs = native.packs_weights
+engine_packs = native.packs_weights()  # the engine's own choice for float32 weights
 for name, q in %(formats)r.items():
-    native.packs_weights = (lambda: False) if name == "float32 XLA" else packs  # prepare() asks it at load
+    native.packs_weights = lambda: name == "f32 panels"  # prepare() asks it as the engine loads
     engines[name] = LLM(model, quantization=q, max_model_len=256, num_kv_blocks=max(batches) * (16 + tokens) // 16 + 8)
     for b in batches:
         decode_seconds(engines[name], b, tokens)  # compiles the shapes the cell reaches
@@ -47,7 +48,7 @@ for b in batches:
         for name, llm in engines.items():
             key = f"{name}|{b}"
             rates[key] = max(rates.get(key, 0), b * tokens / decode_seconds(llm, b, tokens))
-print(json.dumps({"rates": rates, "paths": native.paths()}))
+print(json.dumps({"rates": rates, "paths": native.paths(), "packs": engine_packs}))
 """
 
 
@@ -77,19 +78,21 @@ def main(argv=None):
                 if res.returncode:
                     sys.exit(res.stderr[-3000:])
                 out = json.loads(res.stdout.strip().splitlines()[-1])
-                paths[name] = out["paths"]
+                paths[name] = out["paths"], out["packs"]
                 for key, r in out["rates"].items():
                     best[name, key] = max(best.get((name, key), 0), r)
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")), "?")
-    print(f"CPU: {cpu}; decode tokens/s (/ float32 of the same build), {a.tokens} tokens out, 16-token prompts")
-    print(f"{'build':20s} {'weights':8s} " + " ".join(f"{'batch ' + str(b):>16s}" for b in a.batches))
+    print(f"CPU: {cpu}; decode tokens/s (/ the float32 the engine runs in that build), {a.tokens} tokens out, "
+          "16-token prompts")
+    print(f"{'build':20s} {'weights':10s} " + " ".join(f"{'batch ' + str(b):>16s}" for b in a.batches))
     for name in BUILDS:
+        base = "f32 panels" if paths[name][1] else "f32 XLA"
         for fmt in FORMATS:
-            print(f"{name:20s} {fmt:8s} " + " ".join(
-                f"{best[name, f'{fmt}|{b}']:8.1f} ({best[name, f'{fmt}|{b}'] / best[name, f'float32|{b}']:4.2f}x)"
+            print(f"{name:20s} {fmt:10s} " + " ".join(
+                f"{best[name, f'{fmt}|{b}']:8.1f} ({best[name, f'{fmt}|{b}'] / best[name, f'{base}|{b}']:4.2f}x)"
                 for b in a.batches))
     for name in BUILDS:
-        print(f"{name}: {paths[name]}")
+        print(f"{name}: {paths[name][0]}; the engine runs float32 as \"{'f32 panels' if paths[name][1] else 'f32 XLA'}\"")
 
 
 if __name__ == "__main__":
