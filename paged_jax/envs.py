@@ -15,8 +15,8 @@ VARIABLES = {
     "PAGED_JAX_HOME": "where the native kernels are built and the benchmarks' models are kept "
                       "(default ~/.cache/paged_jax)",
     "PAGED_JAX_NATIVE": "0: no native CPU kernels (XLA's matmuls and the jnp attention)",
-    "PAGED_JAX_NATIVE_FLAGS": "extra compiler flags for the native kernels (e.g. -mno-avx512f: the portable "
-                              "paths)",
+    "PAGED_JAX_NATIVE_FLAGS": "extra compiler flags for the native kernels (e.g. -mno-avx512f: the AVX2 paths on an "
+                              "AVX-512 CPU; -mno-avx512f -mno-avx2 -mno-fma: the portable loops)",
     "PAGED_JAX_COMPILE_CACHE": "the folder of JAX's persistent compilation cache and the compiled steps on disk "
                                "(default ~/.cache/paged_jax/jax_cache)",
     "PAGED_JAX_NO_COMPILE_CACHE": "set: neither cache is used",
