@@ -78,7 +78,7 @@ def test_one_failing_request_ends_alone(llm, monkeypatch):
 
 
 def test_failing_beam_bookkeeping_ends_that_request_alone(llm, monkeypatch):
-    import paged_jax.engine as engine_module
+    import paged_jax.engine_beams as engine_module  # the engine applies each beam step from here
 
     beam = SamplingParams(n=2, best_of=2, use_beam_search=True, temperature=0, max_tokens=8)
     want = llm.generate("Once", GREEDY, use_tqdm=False)[0].outputs[0].token_ids
