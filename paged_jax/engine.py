@@ -24,6 +24,7 @@ from paged_jax.sampling_params import SamplingParams
 from paged_jax.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
 from paged_jax.seeds import seed_for_sample
 from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
+from paged_jax.spec_decode import SpecDecoder
 from paged_jax.step_cost import StepCostModel, StepLoad, calibrate
 from paged_jax.text import check_stop, detokenize_incrementally
 
@@ -47,12 +48,13 @@ class LLMEngine:
             step_cost = StepCostModel(padded_tokens=lambda tokens, rows: step_buckets(tokens, rows)[0],
                                       query_tile=TILE_SIZE)
         self._init_core(parts.scheduler_config, parts.block_manager, parts.runner, parts.model_config.vocab_size,
-                        step_cost=step_cost)
+                        step_cost=step_cost, speculative_config=args.speculative_config)
 
     @classmethod
     def from_components(cls, scheduler_config: SchedulerConfig, block_manager: BlockManager, executor: Executor,
                         vocab_size: int, tokenizer=None, eos_token_id: Optional[int] = None,
-                        clock=time.monotonic, step_cost: Optional[StepCostModel] = None) -> "LLMEngine":
+                        clock=time.monotonic, step_cost: Optional[StepCostModel] = None,
+                        speculative_config=None) -> "LLMEngine":
         """An engine over given parts, without loading a model: ``executor`` implements
         :class:`paged_jax.executor.interface.Executor` (a simulator, a test's fake). With
         no tokenizer, requests are given as token ids and nothing is detokenized (stop
@@ -62,11 +64,13 @@ class LLMEngine:
         engine.args, engine.model_config, engine.tokenizer = None, None, tokenizer
         engine.eos_token_id = eos_token_id
         engine.eos_token_ids = frozenset(() if eos_token_id is None else (eos_token_id,))
-        engine._init_core(scheduler_config, block_manager, executor, vocab_size, clock, step_cost)
+        engine._init_core(scheduler_config, block_manager, executor, vocab_size, clock, step_cost,
+                          speculative_config)
         return engine
 
     def _init_core(self, scheduler_config: SchedulerConfig, block_manager: BlockManager, executor: Executor,
-                   vocab_size: int, clock=time.monotonic, step_cost: Optional[StepCostModel] = None) -> None:
+                   vocab_size: int, clock=time.monotonic, step_cost: Optional[StepCostModel] = None,
+                   speculative_config=None) -> None:
         self.scheduler_config = scheduler_config
         self.block_manager = block_manager
         self.scheduler = Scheduler(scheduler_config, block_manager, step_cost)
@@ -82,6 +86,7 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self.timings = {"schedule": 0.0, "execute": 0.0, "process": 0.0, "detokenize": 0.0}
         self._grammars = None  # structured output's GrammarCompiler, built for the first constrained request
+        self.spec_decoder = SpecDecoder.build(speculative_config, block_manager, scheduler_config)  # None: off
 
     def warm_up(self, sampling_params: Union[None, SamplingParams, list[SamplingParams]] = None,
                 progress: bool = True) -> int:
@@ -110,6 +115,8 @@ class LLMEngine:
         if sampling_params.use_beam_search and sampling_params.stop:
             raise ValueError(f"stop strings are not supported with use_beam_search=True (got stop="
                              f"{sampling_params.stop!r}); use stop_token_ids")
+        if self.spec_decoder is not None:
+            self.spec_decoder.check_request(sampling_params)
         if request_id in self._groups:
             raise ValueError(f"request_id {request_id!r} is already in use")
         if prompt_token_ids is None:
@@ -225,6 +232,7 @@ class LLMEngine:
         self._failed: set[str] = set()  # requests whose processing raised this step (see _fail_request)
         t0, start, compilations = time.perf_counter(), self.clock(), self.runner.num_compilations
         out = self.scheduler.schedule()
+        drafts = self.spec_decoder.propose(out) if self.spec_decoder is not None else {}  # rows' draft tokens
         self.num_steps += 1
         # With a latency target, the whole step's time (what a stream waits) feeds the step-cost model.
         load = StepLoad.of((r.num_tokens, r.start_pos) for r in out.scheduled) if self.scheduler.step_cost else None
@@ -232,6 +240,7 @@ class LLMEngine:
         sampling, masks = [self._row_sampling(row) for row in out.scheduled], None
         if self._grammars is not None:
             sampling, masks = self._attach_bitmasks(out.scheduled, sampling)
+        sampling = self.spec_decoder.attach(sampling, drafts) if drafts else sampling
         result = self.runner.execute(out, sampling, self.eos_token_id)
         if masks is not None:
             masks.result()  # done (the sampler read them); the matchers advance below
@@ -251,6 +260,9 @@ class LLMEngine:
                 acc.extend(new[max(0, len(acc) - 1 - row.start_pos):])
             seq.num_computed_tokens += row.num_tokens
             samples = result.samples.get(i)
+            if i in drafts:  # speculative decoding: the accepted drafts and the model's next token, stop-checked
+                self.spec_decoder.apply(seq, drafts[i], samples, lambda smp, s=seq, g=group: self._append(s, smp, g))
+                continue
             if not samples:
                 continue
             if group.beam is not None:
@@ -395,4 +407,6 @@ class LLMEngine:
             # median relative prediction error and the prefill chunk sizes chosen (paged_jax.step_cost).
             "target_itl_ms": self.scheduler_config.target_itl_ms,
             "step_cost": self.scheduler.step_cost.stats() if self.scheduler.step_cost else None,
+            # With speculative_config: drafts, acceptance (paged_jax.spec_decode.decoder.SpecDecodeStats)
+            "spec_decode": self.spec_decoder.get_stats() if self.spec_decoder is not None else None,
         }

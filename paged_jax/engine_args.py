@@ -63,6 +63,9 @@ class EngineArgs:
     # prefill chunks are sized by a step-cost model fitted online (paged_jax.step_budget). None: today's
     # fixed token budget (max_num_batched_tokens).
     target_itl_ms: Optional[float] = None
+    # Speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
+    # "prompt_lookup_min": m} (paged_jax.spec_decode.SpeculativeConfig); None: off
+    speculative_config: Any = None
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or not 1 <= self.block_size <= 256:
@@ -91,6 +94,10 @@ class EngineArgs:
         if self.compile_cache_dir is not None and not isinstance(self.compile_cache_dir, (str, os.PathLike)):
             raise ValueError(f"compile_cache_dir must be a folder path or None, got {self.compile_cache_dir!r}")
         check_target_itl_ms(self.target_itl_ms, self.enable_chunked_prefill)
+        if self.speculative_config is not None:
+            from paged_jax.spec_decode import SpeculativeConfig
+
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")

@@ -8,13 +8,13 @@ import numpy as np
 import pytest
 from scipy import stats
 
-from paged_jax.executor.interface import Sample
+from paged_jax.executor.interface import Sample, position_histories
 from paged_jax.sampler import sample
 from paged_jax.sampling_params import SamplingParams
 from paged_jax.sampling_tensors import SamplingTensors
 from paged_jax.sequence import Sequence
 from paged_jax.spec_decode.config import SpeculativeConfig
-from paged_jax.spec_decode.decoder import SpecDecoder, num_accepted, position_histories
+from paged_jax.spec_decode.decoder import SpecDecoder, num_accepted
 
 V = 6
 PROMPT = [1, 2, 3]

@@ -31,10 +31,17 @@ class RowSampling:
     logprobs: Optional[int] = None  # the top-N logprobs entry of each sample, when wanted
     num_candidates: int = 0  # > 0: each sample carries its best next tokens and logprobs (beam search)
     prompt_logprobs: Optional[int] = None  # the top-N entries of the prompt tokens this row runs, when wanted
+    # Speculative decoding: the row's last n tokens (and its sequence's last n output tokens) are draft
+    # tokens. It then gets n + 1 samples, one drawn at each of its last n + 1 positions as plain decoding
+    # would draw there (the output before that position as history; its one seed), in position order.
+    num_speculative_tokens: int = 0
 
     def __post_init__(self):
         if self.num_candidates < 0:
             raise ValueError(f"num_candidates must be >= 0, got {self.num_candidates!r}")
+        if self.num_speculative_tokens < 0 or (self.num_speculative_tokens and len(self.seeds) != 1):
+            raise ValueError(f"num_speculative_tokens must be >= 0, and a row with drafts draws one sample per "
+                             f"position (one seed): got {self.num_speculative_tokens!r} with {len(self.seeds)} seeds")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must be None or >= 0, got {self.logprobs!r}")
 
@@ -87,6 +94,15 @@ class Executor(Protocol):
                 eos_token_id: Optional[int] = None, progress: bool = True) -> int:
         """Prepare (compile) ahead of the first request; returns the number of shapes prepared."""
         ...
+
+
+def position_histories(output_token_ids: list[int], num_drafts: int) -> list[list[int]]:
+    """A row with ``num_speculative_tokens`` drafts: the output tokens before each of its
+    ``num_drafts + 1`` scored positions (its output's last ``num_drafts`` tokens are the drafts), what
+    plain decoding had generated when it drew the token at that position (the history penalties and
+    ``min_tokens`` read; its length is the seeded key's offset)."""
+    n = len(output_token_ids) - num_drafts
+    return [output_token_ids[:n + j] for j in range(num_drafts + 1)]
 
 
 def check_sampling(out: "SchedulerOutput", sampling: Sequence[RowSampling]) -> None:

@@ -21,7 +21,7 @@ from paged_jax import envs
 from paged_jax.attention import AUTO, kv_quant, select_backend
 from paged_jax.executor import executable_cache
 from paged_jax.executor.batch import Batch, SeqChunk, bucket, prepare_batch, split_steps, warmup_shapes
-from paged_jax.executor.interface import RowSampling, Sample, StepResult, check_sampling
+from paged_jax.executor.interface import RowSampling, Sample, StepResult, check_sampling, position_histories
 from paged_jax.memory import cache_ops
 from paged_jax.models import compute_logits, forward
 from paged_jax.models.config import ModelConfig
@@ -265,7 +265,8 @@ class ModelRunner:
         chunks = [SeqChunk(r.seq.get_token_ids()[r.start_pos:r.start_pos + r.num_tokens], r.start_pos, r.block_table,
                            r.seq.get_prompt_len()) for r in out.scheduled]
         want_prompt = [i for i, s in enumerate(sampling) if s.prompt_logprobs is not None]
-        all_logits = bool(want_prompt)
+        # Prompt logprobs, and rows with draft tokens (speculative decoding), need more than the last token's logits.
+        all_logits = bool(want_prompt) or any(s.num_speculative_tokens for s in sampling)
         # One ragged batch for the whole step (split only if its prefills need more query tiles
         # than its token bucket holds: many short prompts at once).
         for part in split_steps(chunks):
@@ -309,6 +310,13 @@ class ModelRunner:
             spec, seq = sampling[i], out.scheduled[i].seq
             if spec.num_samples:
                 num_top = max(num_top, spec.num_top)
+            if spec.num_speculative_tokens:  # one draw at each scored position (paged_jax.spec_decode)
+                k = spec.num_speculative_tokens
+                for j, history in enumerate(position_histories(seq.output_token_ids, k)):
+                    picks.append(i)
+                    logit_rows.append(row_of_logits[b] - k + j)
+                    rows.append((spec.params, spec.seeds[0], seq.prompt_token_ids, history))
+                continue
             for seed in spec.seeds:
                 picks.append(i)
                 logit_rows.append(row_of_logits[b])

@@ -2,6 +2,7 @@
 model as extra query tokens of the ragged step, accepted or rolled back (see :mod:`.decoder`)."""
 
 from paged_jax.spec_decode.config import SpeculativeConfig
+from paged_jax.spec_decode.decoder import SpecDecoder
 from paged_jax.spec_decode.ngram import NgramProposer, propose_ngram
 
-__all__ = ["NgramProposer", "SpeculativeConfig", "propose_ngram"]
+__all__ = ["NgramProposer", "SpecDecoder", "SpeculativeConfig", "propose_ngram"]

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence as Seq
+from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -40,6 +40,7 @@ from paged_jax.spec_decode.ngram import NgramProposer
 if TYPE_CHECKING:
     from paged_jax.executor.interface import RowSampling, Sample
     from paged_jax.memory.block_manager import BlockManager
+    from paged_jax.sampling_params import SamplingParams
     from paged_jax.scheduler import ScheduledSeq, SchedulerOutput
     from paged_jax.sequence import Sequence
 
@@ -50,14 +51,6 @@ def num_accepted(drafts: Seq[int], target_tokens: Seq[int]) -> int:
     while n < len(drafts) and n < len(target_tokens) and drafts[n] == target_tokens[n]:
         n += 1
     return n
-
-
-def position_histories(output_token_ids: list[int], num_drafts: int) -> list[list[int]]:
-    """The output tokens before each of a row's ``num_drafts + 1`` scored positions, for an output
-    whose last ``num_drafts`` tokens are drafts: what plain decoding had generated when it drew
-    the token at that position (its length is the seeded key's offset)."""
-    n = len(output_token_ids) - num_drafts
-    return [output_token_ids[:n + j] for j in range(num_drafts + 1)]
 
 
 @dataclass
@@ -79,6 +72,14 @@ class SpecDecodeStats:
 
 class SpecDecoder:
     """Proposes draft tokens for a step's decoding rows and verifies the target's tokens."""
+
+    @classmethod
+    def build(cls, config, block_manager: "BlockManager", scheduler_config) -> Optional["SpecDecoder"]:
+        """The engine's decoder for ``config`` (a dict or SpeculativeConfig; None: no speculation)."""
+        if config is None:
+            return None
+        return cls(SpeculativeConfig.from_dict(config), block_manager, scheduler_config.max_model_len,
+                   scheduler_config.max_num_batched_tokens)
 
     def __init__(self, config: SpeculativeConfig, block_manager: "BlockManager", max_model_len: int,
                  max_num_batched_tokens: int) -> None:
@@ -165,6 +166,24 @@ class SpecDecoder:
         seq.num_computed_tokens = min(seq.num_computed_tokens, seq.get_len() - 1)
         if self.block_manager.has_seq(seq):
             self.block_manager.rollback(seq, seq.num_computed_tokens)
+
+    def apply(self, seq: "Sequence", num_drafts: int, samples: list["Sample"],
+              append: Callable[["Sample"], None]) -> None:
+        """A drafted row after the step: :meth:`verify`, then ``append`` (the engine's: the token, its
+        logprobs, detokenization and the stop checks) each token to append until the sequence
+        finishes (a stop, ``max_tokens``, a failure), then :meth:`finish`."""
+        for sample in self.verify(seq, num_drafts, samples):
+            append(sample)
+            if seq.is_finished():
+                break
+        self.finish(seq)
+
+    @staticmethod
+    def check_request(params: "SamplingParams") -> None:
+        """Refuse what speculation cannot serve, before it is queued."""
+        if params.use_beam_search:
+            raise ValueError("use_beam_search=True is not supported with speculative decoding "
+                             "(speculative_config); use an engine without it for beam search")
 
     def get_stats(self) -> dict:
         return {**self.stats.as_dict(), "num_speculative_tokens": self.config.num_speculative_tokens,
