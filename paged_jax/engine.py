@@ -17,6 +17,7 @@ from typing import Optional, Union
 from paged_jax.engine_args import DYNAMIC_ROPE_SHARING, EngineArgs, build_engine_parts
 from paged_jax.beam_search import BeamState, num_candidates
 from paged_jax.engine_beams import apply_beam_step
+from paged_jax.engine_stats import engine_stats
 from paged_jax.executor.interface import Executor, RowSampling
 from paged_jax.memory.block_manager import BlockManager
 from paged_jax.outputs import RequestOutput, request_output
@@ -382,31 +383,5 @@ class LLMEngine:
 
     # ---- statistics ----------------------------------------------------------
     def get_stats(self) -> dict:
-        usage = self.block_manager.get_usage()
-        bm = self.block_manager
-        return {
-            "num_total_blocks": usage.num_total_gpu_blocks,
-            "num_free_blocks": bm.get_num_free_gpu_blocks(),
-            "num_total_cpu_blocks": bm.cpu_allocator.num_total_blocks,
-            "num_free_cpu_blocks": bm.get_num_free_cpu_blocks(),
-            "num_running": len(self.scheduler.running),
-            "num_waiting": len(self.scheduler.waiting),
-            "num_swapped": len(self.scheduler.swapped),
-            "num_preemptions": dict(self.scheduler.num_preemptions),
-            "kv_cache_usage": usage.num_used_gpu_blocks / max(1, usage.num_total_gpu_blocks),
-            "kv_utilization": usage.utilization,
-            "num_compilations": self.runner.num_compilations,
-            "attention_backend": getattr(self.runner, "attention_backend", None),  # the model runner's choice; None in a simulator
-            "num_generated_tokens": self.num_generated_tokens,
-            "num_steps": self.num_steps,
-            # Seconds spent: engine (schedule = scheduler + block manager; process = appending tokens,
-            # stop checks and freeing, detokenize included) and executor (prepare = batch arrays,
-            # cache_ops, device = jitted forward, sample).
-            "timings": {**self.timings, **self.runner.timings},
-            # With target_itl_ms: the step-cost model's coefficients (seconds per unit of each term), its
-            # median relative prediction error and the prefill chunk sizes chosen (paged_jax.step_cost).
-            "target_itl_ms": self.scheduler_config.target_itl_ms,
-            "step_cost": self.scheduler.step_cost.stats() if self.scheduler.step_cost else None,
-            # With speculative_config: drafts, acceptance (paged_jax.spec_decode.decoder.SpecDecodeStats)
-            "spec_decode": self.spec_decoder.get_stats() if self.spec_decoder is not None else None,
-        }
+        """Blocks, queues, preemptions, KV-cache usage, compilations, timings (:func:`paged_jax.engine_stats.engine_stats`)."""
+        return engine_stats(self)
