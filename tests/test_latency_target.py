@@ -298,6 +298,19 @@ def test_in_the_simulator_the_fitted_model_keeps_mixed_steps_within_the_target()
 
 
 # ---- the real engine ---------------------------------------------------------------------------
+def run_to_completion(engine, prompts, params) -> dict:
+    """Every prompt's output tokens by request id, the block manager's invariants checked after each step."""
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), None, params, p)
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o.outputs[0].token_ids
+        engine.block_manager.check_invariants()
+    return done
+
+
 def test_real_engine_with_a_target_gives_the_same_greedy_tokens(tiny_llama_dir):
     from paged_jax import SamplingParams
     from paged_jax.engine import LLMEngine
@@ -321,15 +334,7 @@ def test_real_engine_with_a_target_gives_the_same_greedy_tokens(tiny_llama_dir):
             return out
 
         engine.scheduler.schedule = recording
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), None, params, p)
-        done = {}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    done[o.request_id] = o.outputs[0].token_ids
-            engine.block_manager.check_invariants()
-        results[target] = done
+        results[target] = run_to_completion(engine, prompts, params)
         stats = engine.get_stats()
         assert stats["num_free_blocks"] == stats["num_total_blocks"]
     assert results[0.5] == results[None]
@@ -392,14 +397,7 @@ def test_long_prompt_with_prefix_caching_and_preemption_gives_the_same_tokens_wi
         engine = LLMEngine(EngineArgs(model=model, max_num_seqs=4, num_kv_blocks=200, enable_prefix_caching=True,
                                       target_itl_ms=target))
         calibrate(engine)
-        for i, p in enumerate(prompts):
-            engine.add_request(str(i), None, params, p)
-        done = {}
-        while engine.has_unfinished_requests():
-            for o in engine.step():
-                if o.finished:
-                    done[o.request_id] = o.outputs[0].token_ids
-            engine.block_manager.check_invariants()
-        results[target], preemptions[target] = done, sum(engine.get_stats()["num_preemptions"].values())
+        results[target] = run_to_completion(engine, prompts, params)
+        preemptions[target] = sum(engine.get_stats()["num_preemptions"].values())
     assert results[1.0] == results[None] and len(results[None]) == 4
     assert preemptions[1.0] > 0
