@@ -187,8 +187,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
                                  enable_prefix_caching=args.enable_prefix_caching,
                                  enable_block_sharing=args.enable_block_sharing, sliding_window=window)
     runner = ModelRunner(mc, params, bs, num_gpu_blocks, num_cpu_blocks, args.attention_backend, args.seed,
-                         mesh=mesh, native_kernels=native, **({} if args.compile_cache_dir is None else dict(
-                             executable_cache_dir=envs.executable_cache_dir(args.compile_cache_dir))))
+                         mesh=mesh, native_kernels=native, compile_cache_dir=args.compile_cache_dir)
     logger.info("paged-jax engine: model=%s family=%s dtype=%s attention=%s blocks=%d x %d tokens (host %d), "
                 "max_model_len=%d", model_path, mc.family, mc.dtype, runner.attention_backend, num_gpu_blocks, bs,
                 num_cpu_blocks, max_model_len)

@@ -286,14 +286,11 @@ def _fresh_compile(lowered) -> tuple["jax.stages.Compiled", bool]:
     return compiled, _persistent_cache_hits == hits
 
 
-DEFAULT = "default"  # for_runner's folder: the one cache_dir() names
-
-
-def for_runner(config, backend, params, kv_caches, mesh=None, directory=DEFAULT) -> Optional[ExecutableCache]:
-    """The cache for a runner's step in ``directory`` (default: :func:`cache_dir`), or None: switched
-    off (``directory`` None), tensor parallelism, or a backend that user code registered."""
-    if directory == DEFAULT:
-        directory = cache_dir()
+def for_runner(config, backend, params, kv_caches, mesh=None, root=None) -> Optional[ExecutableCache]:
+    """The cache for a runner's step, in the ``executables`` folder of ``root`` (an engine's
+    ``compile_cache_dir``; None: :func:`cache_dir`), or None: switched off, tensor parallelism, or a
+    backend that user code registered."""
+    directory = cache_dir() if root is None else envs.executable_cache_dir(root)
     if directory is None or mesh is not None or not _builtin(backend):
         return None
     _start_counting_hits()

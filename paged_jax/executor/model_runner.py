@@ -107,7 +107,7 @@ def make_step(config: ModelConfig, attn):
 class ModelRunner:
     def __init__(self, config: ModelConfig, params, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
                  attention_backend: str = "auto", seed: int = 0, mesh=None, native_kernels: bool = True,
-                 executable_cache_dir=executable_cache.DEFAULT):
+                 compile_cache_dir=None):
         """``params``: as :func:`paged_jax.executor.loading.load_for_serving` readies them (the runner
         takes them as they are). ``attention_backend``: a registered backend's name, checked against every layer's
         :class:`AttentionSpec` and the dtype (ValueError if it refuses), or ``"auto"`` (see
@@ -143,7 +143,7 @@ class ModelRunner:
                              out_shardings=out_shardings)
         # Compiled steps on disk (None when off): a fresh process skips tracing and lowering.
         self.executable_cache = executable_cache.for_runner(config, self.attn, self.params, self.kv_caches, mesh,
-                                                            executable_cache_dir)
+                                                            compile_cache_dir)
         self._sample_step = 0
         self.timings = {"prepare": 0.0, "cache_ops": 0.0, "device": 0.0, "sample": 0.0}
 
