@@ -1,4 +1,5 @@
-"""Random interleavings of every BlockManager operation, checked after each step.
+"""Random interleavings of every BlockManager operation, checked after each step, with one layer
+group (BlockManager) or several (HybridBlockManager: each group's K/V simulated apart).
 
 The machine plays a tiny scheduler and executor: requests with shared prompt
 prefixes over a 3-token alphabet (so prefix hits happen), decode and multi-token
@@ -22,7 +23,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from paged_jax.memory import NULL_BLOCK, AllocStatus, BlockManager, Device
+from paged_jax.memory import NULL_BLOCK, AllocStatus, BlockManager, Device, HybridBlockManager
 from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
 
 BS = 2
@@ -43,30 +44,50 @@ def kv_values(token_ids: list[int]) -> list[int]:
 
 
 class BlockManagerMachine(RuleBasedStateMachine):
-    @initialize(caching=st.booleans(), watermark=st.sampled_from([0.0, 0.1]), window=st.sampled_from([None, 3, 4]))
-    def setup(self, caching: bool, watermark: float, window) -> None:
-        self.window = window  # a sliding window on every layer: blocks it has passed are freed
-        self.bm = BlockManager(BS, NUM_GPU_BLOCKS, NUM_CPU_BLOCKS, watermark, caching, sliding_window=window)
+    # Each layer group's sliding window: one group (every layer's window, or none), or several groups
+    # sharing one pool (full attention beside windows, as Gemma's layers).
+    @initialize(caching=st.booleans(), watermark=st.sampled_from([0.0, 0.1]),
+                windows=st.sampled_from([(None,), (3,), (4,), (3, None), (None, 4, 4), (None, 3, None)]))
+    def setup(self, caching: bool, watermark: float, windows) -> None:
+        self.windows = windows
+        if len(windows) == 1:
+            self.bm = BlockManager(BS, NUM_GPU_BLOCKS, NUM_CPU_BLOCKS, watermark, caching, sliding_window=windows[0])
+        else:
+            self.bm = HybridBlockManager(BS, NUM_GPU_BLOCKS * 2, NUM_CPU_BLOCKS * 2, windows, watermark, caching)
         self.groups: list[SequenceGroup] = []
         self.ids = itertools.count()
         self.mem = {Device.GPU: defaultdict(lambda: [None] * BS), Device.CPU: defaultdict(lambda: [None] * BS)}
         self.pins: dict[int, list[int]] = {}  # handle -> expected values of the pinned slots
 
     # ---- helpers ----------------------------------------------------------------------
-    def live(self, seq: Sequence) -> list[int]:
-        """The blocks the sequence's table holds: all but the entries the window freed."""
-        return self.bm.get_block_table(seq)[self.bm.get_num_freed_blocks(seq):]
+    def table(self, seq: Sequence, g: int) -> list[int]:
+        return self.bm.get_block_table(seq) if len(self.windows) == 1 else self.bm.get_block_table(seq, g)
+
+    def freed(self, seq: Sequence, g: int) -> int:
+        return self.bm.get_num_freed_blocks(seq) if len(self.windows) == 1 else self.bm.get_num_freed_blocks(seq, g)
+
+    def live(self, seq: Sequence, g: int = None) -> list[int]:
+        """The blocks the sequence's table(s) hold: all but the entries a window freed."""
+        if g is None:
+            return [b for g in range(len(self.windows)) for b in self.live(seq, g)]
+        return self.table(seq, g)[self.freed(seq, g):]
+
+    def write_slots(self, seq: Sequence, stop: int) -> None:
+        """Each group's K/V of tokens num_computed..stop-1, into its own (unshared) blocks."""
+        values = kv_values(seq.get_token_ids())
+        for g in range(len(self.windows)):
+            table = self.table(seq, g)
+            for pos in range(seq.num_computed_tokens, stop):
+                block = table[pos // BS]
+                assert self.bm.gpu_allocator.get_ref_count(block) == 1, f"write into shared block {block}"
+                self.mem[Device.GPU][block][pos % BS] = (g, values[pos])
 
     def with_status(self, status: SequenceStatus) -> list[SequenceGroup]:
         return [g for g in self.groups if g.seqs[0].status is status]
 
     def write(self, seq: Sequence, stop: int) -> None:
         """Compute tokens num_computed..stop-1 into the sequence's own (unshared) blocks."""
-        table, values = self.bm.get_block_table(seq), kv_values(seq.get_token_ids())
-        for pos in range(seq.num_computed_tokens, stop):
-            block = table[pos // BS]
-            assert self.bm.gpu_allocator.get_ref_count(block) == 1, f"write into shared block {block}"
-            self.mem[Device.GPU][block][pos % BS] = values[pos]
+        self.write_slots(seq, stop)
         seq.num_computed_tokens = stop
         self.bm.mark_blocks_computed(seq)
 
@@ -131,10 +152,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
             if len(group.seqs) == 1:
                 self.write(first, min(first.get_len(), first.num_computed_tokens + chunk))
                 return
-            table, values = self.bm.get_block_table(first), kv_values(first.get_token_ids())
-            for pos in range(first.num_computed_tokens, first.get_len()):
-                assert self.bm.gpu_allocator.get_ref_count(table[pos // BS]) == len(group.seqs)
-                self.mem[Device.GPU][table[pos // BS]][pos % BS] = values[pos]
+            values = kv_values(first.get_token_ids())
+            for g in range(len(self.windows)):
+                table = self.table(first, g)
+                for pos in range(first.num_computed_tokens, first.get_len()):
+                    assert self.bm.gpu_allocator.get_ref_count(table[pos // BS]) == len(group.seqs)
+                    self.mem[Device.GPU][table[pos // BS]][pos % BS] = (g, values[pos])
             for seq in group.seqs:
                 seq.num_computed_tokens = seq.get_len()
                 self.bm.mark_blocks_computed(seq)
@@ -181,26 +204,23 @@ class BlockManagerMachine(RuleBasedStateMachine):
             del seq.output_token_ids[real_len - seq.get_prompt_len():]
             return
         self.grow(seq)
-        table, values = self.bm.get_block_table(seq), kv_values(seq.get_token_ids())
-        for pos in range(seq.num_computed_tokens, seq.get_len()):  # the step writes every query token
-            block = table[pos // BS]
-            assert self.bm.gpu_allocator.get_ref_count(block) == 1, f"write into shared block {block}"
-            self.mem[Device.GPU][block][pos % BS] = values[pos]
+        self.write_slots(seq, seq.get_len())  # the step writes every query token
         accepted = data.draw(st.integers(0, len(proposals)))
         del seq.output_token_ids[real_len + accepted - seq.get_prompt_len():]
         seq.num_computed_tokens = seq.get_len()
         self.bm.rollback(seq)
-        assert len(self.bm.get_block_table(seq)) == -(-seq.get_len() // BS)
+        for g in range(len(self.windows)):
+            assert len(self.table(seq, g)) == -(-seq.get_len() // BS)
         self.bm.mark_blocks_computed(seq)
         seq.append_token_id(data.draw(st.integers(0, 2)))  # the target's own next token, not computed
 
     def grow(self, seq: Sequence) -> None:
-        """append_slot, carrying out a copy-on-write copy as the executor would."""
-        last = self.bm.get_block_table(seq)[-1:]
-        copy = self.bm.append_slot(seq)
-        if copy is not None:
-            src, dst = copy
-            assert [src] == last and self.bm.gpu_allocator.get_ref_count(dst) == 1
+        """append_slots, carrying out the copy-on-write copies (one per group at most) as the executor would."""
+        last = [self.table(seq, g)[-1] for g in range(len(self.windows))]
+        copies = self.bm.append_slots(seq)
+        assert len({last.index(src) for src, _ in copies}) == len(copies)  # a group's last block, once each
+        for src, dst in copies:
+            assert self.bm.gpu_allocator.get_ref_count(dst) == 1
             self.mem[Device.GPU][dst] = list(self.mem[Device.GPU][src])
 
     @precondition(lambda self: self.with_status(SequenceStatus.RUNNING))
@@ -239,11 +259,12 @@ class BlockManagerMachine(RuleBasedStateMachine):
     def pin(self, pick) -> None:
         running = self.with_status(SequenceStatus.RUNNING)
         seq = running[pick % len(running)].seqs[0]
-        if self.bm.get_num_freed_blocks(seq):  # refused: its prefix is no longer held
+        if any(self.freed(seq, g) for g in range(len(self.windows))):  # refused: its prefix is no longer held
             return
         handle = self.bm.pin_prefix(seq)
-        values = kv_values(seq.get_token_ids())
-        self.pins[handle] = values[:len(self.bm.get_pinned_blocks(handle)) * BS]
+        values, num_groups = kv_values(seq.get_token_ids()), len(self.windows)
+        per_group = len(self.bm.get_pinned_blocks(handle)) // num_groups  # pinned group after group
+        self.pins[handle] = [(g, v) for g in range(num_groups) for v in values[:per_group * BS]]
 
     @precondition(lambda self: self.pins)
     @rule(pick=pick_st)
@@ -265,24 +286,22 @@ class BlockManagerMachine(RuleBasedStateMachine):
                     assert not self.bm.has_seq(seq)
                 else:
                     device = Device.GPU if seq.status is SequenceStatus.RUNNING else Device.CPU
-                    out.append((seq, device, self.bm.get_block_table(seq)))
+                    out.append((seq, device))
         return out
-
-    def first_live_position(self, seq: Sequence) -> int:
-        return self.bm.get_num_freed_blocks(seq) * BS
 
     @invariant()
     def refcounts_match_tables_and_pins(self) -> None:
         self.bm.check_invariants()
         expected = {Device.GPU: Counter(), Device.CPU: Counter()}
-        for seq, device, table in self.live_tables():
+        for seq, device in self.live_tables():
             expected[device].update(self.live(seq))
-            assert len(table) <= -(-seq.get_len() // BS)  # waste under one block
-            freed = self.bm.get_num_freed_blocks(seq)
-            if device is Device.GPU:
-                assert table[:freed] == [NULL_BLOCK] * freed
-            # Only blocks no token still to compute can see are freed.
-            assert freed == 0 or freed * BS <= seq.num_computed_tokens - self.window + 1
+            for g, window in enumerate(self.windows):
+                table, freed = self.table(seq, g), self.freed(seq, g)
+                assert len(table) <= -(-seq.get_len() // BS)  # waste under one block
+                if device is Device.GPU:
+                    assert table[:freed] == [NULL_BLOCK] * freed
+                # Only blocks no token still to compute can see are freed.
+                assert freed == 0 or freed * BS <= seq.num_computed_tokens - window + 1
         for handle in self.pins:
             expected[Device.GPU].update(self.bm.get_pinned_blocks(handle))
         for device, allocator in ((Device.GPU, self.bm.gpu_allocator), (Device.CPU, self.bm.cpu_allocator)):
@@ -294,15 +313,17 @@ class BlockManagerMachine(RuleBasedStateMachine):
         gpu, cpu = self.bm.gpu_allocator, self.bm.cpu_allocator
         assert gpu.num_free_blocks + usage.num_used_gpu_blocks + usage.num_cached_gpu_blocks == gpu.num_total_blocks
         assert self.bm.get_num_free_gpu_blocks() == gpu.num_free_blocks + usage.num_cached_gpu_blocks
-        assert cpu.num_free_blocks + cpu.num_used_blocks == cpu.num_total_blocks == NUM_CPU_BLOCKS
+        assert cpu.num_free_blocks + cpu.num_used_blocks == cpu.num_total_blocks
         assert usage.num_tokens_stored <= usage.num_token_slots_used
 
     @invariant()
     def check_contents(self) -> None:
-        for seq, device, table in self.live_tables():
+        for seq, device in self.live_tables():
             values = kv_values(seq.get_token_ids())
-            for pos in range(self.first_live_position(seq), seq.num_computed_tokens):
-                assert self.mem[device][table[pos // BS]][pos % BS] == values[pos], (seq.seq_id, pos)
+            for g in range(len(self.windows)):
+                table = self.table(seq, g)
+                for pos in range(self.freed(seq, g) * BS, seq.num_computed_tokens):
+                    assert self.mem[device][table[pos // BS]][pos % BS] == (g, values[pos]), (seq.seq_id, g, pos)
         for handle, values in self.pins.items():
             for pos, value in enumerate(values):
                 assert self.mem[Device.GPU][self.bm.get_pinned_blocks(handle)[pos // BS]][pos % BS] == value
@@ -317,7 +338,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
         self.bm.check_invariants()
         assert self.bm.gpu_allocator.num_used_blocks == 0 and self.bm.cpu_allocator.num_used_blocks == 0
         assert self.bm.get_num_free_gpu_blocks() == self.bm.gpu_allocator.num_total_blocks
-        assert self.bm.get_num_free_cpu_blocks() == NUM_CPU_BLOCKS
+        assert self.bm.get_num_free_cpu_blocks() == self.bm.cpu_allocator.num_total_blocks
         self.bm.reset_prefix_cache()
         assert self.bm.gpu_allocator.num_free_blocks == self.bm.gpu_allocator.num_total_blocks
 

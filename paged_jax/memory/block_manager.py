@@ -39,11 +39,10 @@ Prefix sharing (automatic prefix caching, pinned prefixes): :mod:`~paged_jax.mem
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass
 from typing import Optional
 
 from paged_jax.memory.block_allocator import NULL_BLOCK, BlockAllocator, Device
-from paged_jax.memory.block_pool import BlockPool
+from paged_jax.memory.block_pool import BlockPool, KVCacheUsage
 from paged_jax.memory.block_table import (AllocationPlan, AllocStatus, BlockTable, blocks_for, num_growth_blocks,
                                           plan_allocation, plan_growth)
 from paged_jax.memory.prefix_cache import PrefixCache
@@ -51,22 +50,6 @@ from paged_jax.memory.prefix_sharing import PrefixSharing
 from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
 
 __all__ = ["AllocStatus", "BlockManager", "BlockTable", "KVCacheUsage"]
-
-
-@dataclass(frozen=True)
-class KVCacheUsage:
-    """A snapshot of the device pool. Utilization = stored tokens / used slots."""
-
-    num_total_gpu_blocks: int  # blocks usable by sequences (the null block excluded)
-    num_used_gpu_blocks: int  # referenced by a table or a pin
-    num_cached_gpu_blocks: int  # unreferenced, kept for prefix hits, evictable (count as free)
-    num_tokens_stored: int  # distinct tokens held in used blocks: a shared block counts once
-    num_token_slots_used: int  # num_used_gpu_blocks * block_size
-    num_reserved_blocks: int = 0  # used blocks reserved ahead of any token (reservations)
-
-    @property
-    def utilization(self) -> float:
-        return self.num_tokens_stored / self.num_token_slots_used if self.num_token_slots_used else 1.0
 
 
 class BlockManager(PrefixSharing):
@@ -109,25 +92,34 @@ class BlockManager(PrefixSharing):
         self._pools = {Device.GPU: self.gpu_pool, Device.CPU: BlockPool(self.cpu_allocator)}
         self.watermark_blocks = int(watermark * self.gpu_allocator.num_total_blocks)
         self._tables: dict[int, BlockTable] = {}
+        # The first block's parent in the prefix cache's hash chain: a layer group's own (see
+        # ``hybrid_block_manager``), so that groups sharing one cache never find each other's blocks.
+        self._hash_root: Optional[bytes] = None
 
     # ---- admission -------------------------------------------------------------
     def plan_allocation(self, seq_group: SequenceGroup, use_prefix_cache: bool = True,
-                        reserve_tokens: int = 0) -> AllocationPlan:
-        """What ``allocate`` with these arguments would do now (see ``block_table``)."""
+                        reserve_tokens: int = 0, match_prefix=None) -> AllocationPlan:
+        """What ``allocate`` with these arguments would do now (see ``block_table``). ``match_prefix``: a
+        lookup in place of this manager's own (the hybrid manager's: a hit in every layer group)."""
+        match = (match_prefix or self._match_prefix) if use_prefix_cache else None
         return plan_allocation(_waiting_seqs(seq_group), self.block_size, reserve_tokens, self.enable_block_sharing,
-                               self._match_prefix if use_prefix_cache else None, self.gpu_allocator.get_ref_count)
+                               match, self.gpu_allocator.get_ref_count)
 
     def can_allocate(self, seq_group: SequenceGroup, reserve_tokens: int = 0,
                      use_prefix_cache: bool = True) -> AllocStatus:
         """Whether ``allocate`` (with the same arguments) fits now with the watermark to spare."""
-        plan = self.plan_allocation(seq_group, use_prefix_cache, reserve_tokens)
+        return self.admission(self.plan_allocation(seq_group, use_prefix_cache, reserve_tokens))
+
+    def admission(self, plan) -> AllocStatus:
+        """Whether an allocation plan fits now with the watermark to spare (or never will)."""
         if plan.num_blocks_uncached > self.gpu_allocator.num_total_blocks - self.watermark_blocks:
             return AllocStatus.NEVER
         if self.get_num_free_gpu_blocks() - plan.num_blocks_taken >= self.watermark_blocks:
             return AllocStatus.OK
         return AllocStatus.LATER
 
-    def allocate(self, seq_group: SequenceGroup, use_prefix_cache: bool = True, reserve_tokens: int = 0) -> None:
+    def allocate(self, seq_group: SequenceGroup, use_prefix_cache: bool = True, reserve_tokens: int = 0,
+                 match_prefix=None) -> None:
         """Give every WAITING sequence of the group blocks covering its ``get_len()``
         tokens. Sequences holding the same tokens (a new request's samples) share one
         set of blocks; sequences that diverged (the samples or beams of a request
@@ -140,7 +132,7 @@ class BlockManager(PrefixSharing):
         prompt token's logprobs must compute every prompt token). ``reserve_tokens``
         reserves blocks for that many tokens up front (see the module docstring); a
         reserving group has one sequence."""
-        plan = self.plan_allocation(seq_group, use_prefix_cache, reserve_tokens)
+        plan = self.plan_allocation(seq_group, use_prefix_cache, reserve_tokens, match_prefix)
         if reserve_tokens and len(plan.seqs) > 1:
             raise ValueError(f"request {seq_group.request_id!r}: a reservation is per sequence; "
                              f"it has {len(plan.seqs)} waiting sequences")
@@ -196,6 +188,12 @@ class BlockManager(PrefixSharing):
         table.blocks.extend(self.gpu_pool.new_block() for _ in range(growth.num_new))
         table.num_tokens = num_tokens
         return copy
+
+    def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
+        """``append_slot`` as a list of copies (none or one here; one per layer group at most in the
+        hybrid manager): what the scheduler carries out."""
+        copy = self.append_slot(seq)
+        return [] if copy is None else [copy]
 
     def rollback(self, seq: Sequence, num_tokens: Optional[int] = None) -> None:
         """Shrink the device table to ``num_tokens`` tokens (default ``seq.get_len()``): speculative
@@ -293,7 +291,15 @@ class BlockManager(PrefixSharing):
 
     def get_usage(self) -> KVCacheUsage:
         """Device pool usage (O(blocks in device tables))."""
-        fill: dict[int, int] = {}  # used block -> tokens it holds
+        fill, reserved = self._fill()
+        fill.update((block, self.block_size) for block in self.gpu_pool.pinned_blocks())
+        used = self.gpu_allocator.num_used_blocks
+        return KVCacheUsage(self.gpu_allocator.num_total_blocks, used, self._cache.num_evictable,
+                            sum(fill.values()), used * self.block_size, reserved)
+
+    def _fill(self) -> tuple[dict[int, int], int]:
+        """{used device block of a table: tokens it holds}, and the reserved blocks."""
+        fill: dict[int, int] = {}
         reserved = 0
         for table in self._tables.values():
             if table.device is Device.GPU:
@@ -301,13 +307,14 @@ class BlockManager(PrefixSharing):
                     tokens = min(self.block_size, max(0, table.num_tokens - i * self.block_size))
                     fill[block] = max(fill.get(block, 0), tokens)
                 reserved += len(table.blocks) - blocks_for(table.num_tokens, self.block_size)
-        fill.update((block, self.block_size) for block in self.gpu_pool.pinned_blocks())
-        used = self.gpu_allocator.num_used_blocks
-        return KVCacheUsage(self.gpu_allocator.num_total_blocks, used, self._cache.num_evictable,
-                            sum(fill.values()), used * self.block_size, reserved)
+        return fill, reserved
 
     def check_invariants(self) -> None:
         """Raise AssertionError if any invariant of the module docstring is broken."""
+        self._check_pools(self._check_tables())
+
+    def _check_tables(self) -> dict[Device, Counter]:
+        """Check each table on its own; returns the references the tables hold, per pool."""
         refs = {Device.GPU: Counter(), Device.CPU: Counter()}
         for seq_id, table in self._tables.items():
             _require(len(table.blocks) == max(blocks_for(table.num_tokens, self.block_size), table.min_blocks),
@@ -322,6 +329,9 @@ class BlockManager(PrefixSharing):
                 _require(table.device is Device.CPU or set(table.blocks[:table.num_freed]) == {NULL_BLOCK},
                          f"sequence {seq_id}: a freed entry of a device table is not the null block")
             refs[table.device].update(table.live_blocks)
+        return refs
+
+    def _check_pools(self, refs: dict[Device, Counter]) -> None:
         for device, pool in self._pools.items():
             pool.check_invariants(refs[device])
         registered, pinned = set(self._cache.registered_blocks()), set(self.gpu_pool.pinned_blocks())

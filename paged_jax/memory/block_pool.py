@@ -13,10 +13,27 @@ never freed or evicted while it lasts.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import Optional
 
 from paged_jax.memory.block_allocator import BlockAllocator, NoFreeBlocksError
 from paged_jax.memory.prefix_cache import PrefixCache
+
+
+@dataclass(frozen=True)
+class KVCacheUsage:
+    """A snapshot of the device pool. Utilization = stored tokens / used slots."""
+
+    num_total_gpu_blocks: int  # blocks usable by sequences (the null block excluded)
+    num_used_gpu_blocks: int  # referenced by a table or a pin
+    num_cached_gpu_blocks: int  # unreferenced, kept for prefix hits, evictable (count as free)
+    num_tokens_stored: int  # distinct tokens held in used blocks: a shared block counts once
+    num_token_slots_used: int  # num_used_gpu_blocks * block_size
+    num_reserved_blocks: int = 0  # used blocks reserved ahead of any token (reservations)
+
+    @property
+    def utilization(self) -> float:
+        return self.num_tokens_stored / self.num_token_slots_used if self.num_token_slots_used else 1.0
 
 
 class BlockPool:

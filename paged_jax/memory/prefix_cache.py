@@ -88,13 +88,15 @@ class PrefixCache:
             return None
         return entry.block
 
-    def match(self, token_ids: Sequence[int], block_size: int, max_blocks: int) -> tuple[list[int], list[bytes]]:
+    def match(self, token_ids: Sequence[int], block_size: int, max_blocks: int,
+              root: Optional[bytes] = None) -> tuple[list[int], list[bytes]]:
         """The cached blocks holding the leading full blocks of ``token_ids`` (up to
-        ``max_blocks``, stopping at the first miss), and their keys."""
+        ``max_blocks``, stopping at the first miss), and their keys; ``root`` is the first
+        block's parent key (a layer group's own, or None)."""
         hits: list[int] = []
         hashes: list[bytes] = []
         if self._by_hash:
-            for block_hash, block_tokens in iter_block_hashes(token_ids, block_size, max_blocks):
+            for block_hash, block_tokens in iter_block_hashes(token_ids, block_size, max_blocks, parent_hash=root):
                 block = self.lookup(block_hash, block_tokens)
                 if block is None:
                     break

@@ -39,7 +39,7 @@ class PrefixSharing:
         num_full = min(seq.num_computed_tokens, table.num_tokens) // self.block_size
         blocks = []
         for i, (block_hash, block_tokens) in enumerate(
-                iter_block_hashes(seq.get_token_ids(), self.block_size, num_full)):
+                iter_block_hashes(seq.get_token_ids(), self.block_size, num_full, parent_hash=self._hash_root)):
             block = self._cache.lookup(block_hash, block_tokens)
             if block is None:  # register our copy (fails only on a hash collision: then pinned, not findable)
                 block = table.blocks[i]
@@ -63,7 +63,8 @@ class PrefixSharing:
     def _match_prefix(self, token_ids: list[int]) -> tuple[list[int], list[bytes]]:
         """Leading cached blocks for these tokens and their hashes; the last token is
         never covered, so a hit always leaves at least one token to compute."""
-        return self._cache.match(token_ids, self.block_size, max(0, len(token_ids) - 1) // self.block_size)
+        return self._cache.match(token_ids, self.block_size, max(0, len(token_ids) - 1) // self.block_size,
+                                 self._hash_root)
 
     def _hash_computed_blocks(self, seq: Sequence) -> list[tuple[bytes, tuple[int, ...], int]]:
         """Extend the table's hashes over its full computed blocks; returns
@@ -73,7 +74,7 @@ class PrefixSharing:
         start = len(table.block_hashes)
         if start >= num_full:
             return []
-        parent = table.block_hashes[-1] if start else None
+        parent = table.block_hashes[-1] if start else self._hash_root
         new = list(iter_block_hashes(seq.get_token_ids(), self.block_size, num_full, start, parent))
         table.block_hashes.extend(h for h, _ in new)
         # Freed entries hold no block (their hashes still chain the ones after them).
