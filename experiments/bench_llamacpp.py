@@ -1,0 +1,277 @@
+"""paged-jax against llama.cpp on this CPU, side by side in one run: batch-1 decode (llama-bench) and
+48 requests at once (llama-server with continuous batching), float32, 8-bit and 4-bit weights.
+
+    python experiments/bench_llamacpp.py [--rounds 3] [--isa native|avx2] [--cache DIR]
+
+llama.cpp's tools are built once from the llama-cpp-python source distribution on PyPI
+(``pip download --no-binary``; CMake, ``-DGGML_NATIVE=ON``, only llama-bench, llama-server and
+llama-quantize; about 15 minutes on 2 cores) into ``--cache`` (default
+``~/.cache/paged-jax/llamacpp``), outside the repository. ``--isa avx2`` builds llama.cpp with
+AVX2 + FMA and without AVX-512 (``-DGGML_NATIVE=OFF``), and holds paged-jax to the same
+(``PAGED_JAX_NATIVE_FLAGS=-mno-avx512f``, ``--xla_cpu_max_isa=AVX2``): on an AVX-512 CPU that
+is this CPU with AVX-512 turned off, not an AVX2 CPU.
+
+The model: a LLaMA 512 wide, 8 layers, 8 heads, intermediate 1,408, random float32 weights, made
+here (its vocabulary is what the bundled tokenizer learns from a 1,024 target, about 700 tokens),
+converted to GGUF f32 and q8_0 with llama.cpp's own ``convert_hf_to_gguf.py`` and to q4_0 with
+``llama-quantize``. paged-jax loads the same folder as float32, ``quantization="int8"`` and
+``quantization="int4"`` (q4_0's rounding, groups of 32).
+
+- Batch 1: ``llama-bench -p 0 -n 32 -d 88 -t 2`` (32 tokens generated after an 88-token context)
+  against paged-jax's 32 greedy tokens after the same prompt length (a 33-token call less a
+  1-token one: the prompt's prefill left out on both sides).
+- 48 requests: prompts of 16-160 random tokens (seeded), 64 tokens each, greedy, EOS ignored, all
+  sent at once: ``llama-server -np 48 -cb -t 2`` (started per format, the clock runs from the
+  first request to the last answer) against paged-jax's ``LLM.generate`` of the same prompts
+  (its second call: compiling left out).
+
+Each of ``--rounds`` rounds runs every format on both engines in turn; the best round of each is
+kept. Prints the tables with paged-jax's ratio over llama.cpp, the CPU and its instruction sets,
+and how many of the 48 requests' greedy outputs are the same token for token (float32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp is built
+TOOLS = ("llama-bench", "llama-server", "llama-quantize")
+CMAKE_ISA = {"native": ["-DGGML_NATIVE=ON"],
+             "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
+                      "-DGGML_AVX512=OFF", "-DGGML_BMI2=ON"]}
+FORMATS = {"float32": ("f32", None), "8-bit": ("q8_0", "int8"), "4-bit": ("q4_0", "int4")}  # GGUF, paged-jax
+MODEL = dict(family="llama", vocab_size=1024, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+             num_attention_heads=8, num_key_value_heads=8)
+PROMPT, DECODE = 88, 32  # batch 1: context, tokens generated
+REQUESTS, OUT_LEN, LENS = 48, 64, (16, 160)
+# The converter picks the tokenizer by a hash of known models' pre-tokenizers and wants
+# sentencepiece for LLaMA; the bundled tokenizer is a plain byte-level BPE (GPT-2's split).
+CONVERT = """
+import sys
+sys.path[:0] = [sys.argv.pop(1), sys.argv.pop(1)]
+import convert_hf_to_gguf
+from conversion.base import TextModel
+def no_file(self):
+    raise FileNotFoundError
+TextModel._set_vocab_sentencepiece = no_file
+TextModel._set_vocab_llama_hf = no_file
+TextModel.get_vocab_base_pre = lambda self, tokenizer: "gpt-2"
+convert_hf_to_gguf.main()
+"""
+
+
+def run(cmd, **kw):
+    res = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if res.returncode:
+        sys.exit(f"{' '.join(map(str, cmd))} failed:\n{res.stdout[-2000:]}\n{res.stderr[-3000:]}")
+    return res.stdout
+
+
+def build_llama_cpp(cache: Path, isa: str) -> tuple[Path, Path]:
+    """(llama.cpp's source folder, its bin folder), built once per ISA into ``cache``."""
+    src = cache / f"llama_cpp_python-{LLAMA_CPP_PYTHON}" / "vendor" / "llama.cpp"
+    build = cache / f"build-{LLAMA_CPP_PYTHON}-{isa}"
+    if all((build / "bin" / t).is_file() for t in TOOLS):
+        return src, build / "bin"
+    cache.mkdir(parents=True, exist_ok=True)
+    if not src.is_dir():
+        sdist = cache / f"llama_cpp_python-{LLAMA_CPP_PYTHON}.tar.gz"
+        if not sdist.is_file():
+            print(f"downloading llama-cpp-python {LLAMA_CPP_PYTHON}'s source distribution ...", file=sys.stderr)
+            run([sys.executable, "-m", "pip", "download", f"llama-cpp-python=={LLAMA_CPP_PYTHON}", "--no-binary",
+                 ":all:", "--no-deps", "-d", str(cache)])
+        with tarfile.open(sdist) as t:
+            t.extractall(cache, filter="data")
+    print(f"building llama.cpp's {', '.join(TOOLS)} ({isa}) in {build}: about 15 minutes on 2 cores ...",
+          file=sys.stderr)
+    run(["cmake", "-S", str(src), "-B", str(build), "-DCMAKE_BUILD_TYPE=Release", *CMAKE_ISA[isa],
+         "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF", "-DLLAMA_BUILD_TOOLS=ON", "-DLLAMA_BUILD_SERVER=ON",
+         "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF", "-DLLAMA_OPENSSL=OFF"])
+    run(["cmake", "--build", str(build), "-j", str(os.cpu_count() or 2), "--target", *TOOLS])
+    return src, build / "bin"
+
+
+def make_ggufs(src: Path, bin_dir: Path, model: Path, out: Path) -> dict:
+    """The model as GGUF, by format: f32 and q8_0 from the converter, q4_0 quantized from f32."""
+    files = {f: out / f"model-{f}.gguf" for f in ("f32", "q8_0", "q4_0")}
+    for f in ("f32", "q8_0"):
+        run([sys.executable, "-c", CONVERT, str(src), str(src / "gguf-py"), str(model), "--outtype", f,
+             "--outfile", str(files[f])])
+    run([str(bin_dir / "llama-quantize"), str(files["f32"]), str(files["q4_0"]), "q4_0", "2"])
+    return files
+
+
+def llama_bench(bin_dir: Path, gguf: Path) -> float:
+    """llama-bench's decode tokens/s: 32 tokens after an 88-token context, 2 threads."""
+    out = run([str(bin_dir / "llama-bench"), "-m", str(gguf), "-p", "0", "-n", str(DECODE), "-d", str(PROMPT),
+               "-t", "2", "-r", "3", "-o", "json"])
+    return float(json.loads(out)[0]["avg_ts"])
+
+
+def post(url: str, body: dict, timeout: float = 600) -> dict:
+    req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def llama_server(bin_dir: Path, gguf: Path, prompts: list, port: int) -> tuple[float, list]:
+    """llama-server's output tokens/s for the requests all sent at once, and their tokens."""
+    ctx = REQUESTS * (LENS[1] + OUT_LEN + 8)
+    proc = subprocess.Popen([str(bin_dir / "llama-server"), "-m", str(gguf), "-np", str(REQUESTS), "-cb", "-c",
+                             str(ctx), "-t", "2", "--port", str(port), "--no-webui"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(600):
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=1) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                if proc.poll() is not None:
+                    sys.exit(f"llama-server exited: {proc.stderr.read()[-3000:]}")
+                time.sleep(0.2)
+        body = dict(n_predict=OUT_LEN, temperature=0, top_k=1, ignore_eos=True, cache_prompt=False,
+                    return_tokens=True)
+        post(url + "/completion", dict(body, prompt=prompts[0], n_predict=4))  # warm
+        results: list = [None] * len(prompts)
+
+        def one(i):
+            results[i] = post(url + "/completion", dict(body, prompt=prompts[i]))
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        t0 = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.perf_counter() - t0
+        made = sum(r["tokens_predicted"] for r in results)
+        return made / elapsed, [r["tokens"] for r in results]
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+
+
+def paged_jax_decode(llm, prompt: list) -> float:
+    """Decode tokens/s at batch 1: a (1 + DECODE)-token call less a 1-token one (prefill left out)."""
+    from paged_jax import SamplingParams
+
+    def seconds(n):
+        t0 = time.perf_counter()
+        llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=n,
+                                                                               ignore_eos=True), use_tqdm=False)
+        return time.perf_counter() - t0
+
+    full, first = min(seconds(1 + DECODE) for _ in range(3)), min(seconds(1) for _ in range(3))
+    return DECODE / (full - first)
+
+
+def paged_jax_batch(llm, prompts: list) -> tuple[float, list]:
+    from paged_jax import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=OUT_LEN, ignore_eos=True)
+    t0 = time.perf_counter()
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    elapsed = time.perf_counter() - t0
+    tokens = [list(o.outputs[0].token_ids) for o in outs]
+    return sum(map(len, tokens)) / elapsed, tokens
+
+
+def cpu() -> tuple[str, str]:
+    info = Path("/proc/cpuinfo").read_text()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = set(next((line for line in info.splitlines() if line.startswith("flags")), "").split())
+    isa = [f for f in ("sse4_2", "avx", "f16c", "fma", "avx2", "avx512f", "avx512bw", "avx512_vnni", "avx512_bf16",
+                       "avx_vnni") if f in flags]
+    return name, " ".join(isa)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--isa", choices=list(CMAKE_ISA), default="native")
+    ap.add_argument("--cache", type=Path, default=Path("~/.cache/paged-jax/llamacpp").expanduser())
+    ap.add_argument("--port", type=int, default=18080)
+    ap.add_argument("--build-only", action="store_true", help="build llama.cpp's tools and stop")
+    a = ap.parse_args(argv)
+    if a.isa == "avx2" and os.environ.get("PAGED_JAX_NATIVE_FLAGS") is None:  # hold paged-jax to AVX2 too: re-run
+        env = dict(os.environ, PAGED_JAX_NATIVE_FLAGS="-mno-avx512f",
+                   XLA_FLAGS=" ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_cpu_max_isa=AVX2"])))
+        sys.exit(subprocess.call([sys.executable, __file__, *(argv if argv is not None else sys.argv[1:])], env=env))
+    src, bin_dir = build_llama_cpp(a.cache, a.isa)
+    if a.build_only:
+        print(bin_dir)
+        return
+    sys.path.insert(0, str(ROOT))
+    from paged_jax import LLM, native
+    from paged_jax.models.tiny import make_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model = Path(make_tiny_model(Path(tmp) / "model", **MODEL))
+        ggufs = make_ggufs(src, bin_dir, model, Path(tmp))
+        vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+        rng = np.random.default_rng(0)
+        prompt = rng.integers(3, vocab, PROMPT).tolist()
+        prompts = [rng.integers(3, vocab, int(n)).tolist() for n in rng.integers(LENS[0], LENS[1] + 1, REQUESTS)]
+        blocks = REQUESTS * ((LENS[1] + OUT_LEN) // 16 + 2)
+        engines = {}
+        for name, (_, q) in FORMATS.items():
+            engines[name] = LLM(str(model), quantization=q, max_model_len=512, num_kv_blocks=blocks,
+                                max_num_seqs=REQUESTS)
+            paged_jax_decode(engines[name], prompt)  # compiles what the cells reach
+            paged_jax_batch(engines[name], prompts)
+        best: dict = {}
+        tokens: dict = {}
+        for r in range(a.rounds):
+            for name, (fmt, _) in FORMATS.items():
+                cells = {("llama.cpp", "decode"): lambda: llama_bench(bin_dir, ggufs[fmt]),
+                         ("paged-jax", "decode"): lambda: paged_jax_decode(engines[name], prompt),
+                         ("llama.cpp", "batch"): lambda: llama_server(bin_dir, ggufs[fmt], prompts, a.port),
+                         ("paged-jax", "batch"): lambda: paged_jax_batch(engines[name], prompts)}
+                for (engine, kind), f in cells.items():
+                    out = f()
+                    rate, toks = out if isinstance(out, tuple) else (out, None)
+                    best[engine, kind, name] = max(best.get((engine, kind, name), 0.0), rate)
+                    if toks is not None:
+                        tokens[engine, name] = toks
+                print(f"round {r + 1}, {name}: " + ", ".join(f"{e} {k} {best[e, k, name]:.1f}" for e, k in cells),
+                      file=sys.stderr)
+        paths = native.paths()
+    name, isa = cpu()
+    print(f"CPU: {name}, {os.cpu_count()} cores; instruction sets: {isa}")
+    print(f"builds: llama.cpp from llama-cpp-python {LLAMA_CPP_PYTHON} ({' '.join(CMAKE_ISA[a.isa])}); paged-jax "
+          f"native kernels {paths or 'not built'}"
+          + (f", PAGED_JAX_NATIVE_FLAGS={os.environ.get('PAGED_JAX_NATIVE_FLAGS')}" if a.isa == "avx2" else ""))
+    print(f"best of {a.rounds} alternating rounds\n")
+    print(f"| batch-1 decode, {PROMPT}-token context, tokens/s | llama.cpp (llama-bench -t 2) | paged-jax | over it |")
+    print("|---|---:|---:|---:|")
+    for n, (fmt, q) in FORMATS.items():
+        lc, pj = best["llama.cpp", "decode", n], best["paged-jax", "decode", n]
+        print(f"| {n} ({fmt} / quantization={q!r}) | {lc:.1f} | {pj:.1f} | {pj / lc:.2f}x |")
+    print(f"\n| {REQUESTS} requests, prompts {LENS[0]}-{LENS[1]}, {OUT_LEN} tokens out, output tokens/s | llama.cpp "
+          f"(llama-server -np {REQUESTS} -cb -t 2) | paged-jax (second call) | over it |")
+    print("|---|---:|---:|---:|")
+    for n, (fmt, q) in FORMATS.items():
+        lc, pj = best["llama.cpp", "batch", n], best["paged-jax", "batch", n]
+        print(f"| {n} ({fmt} / quantization={q!r}) | {lc:.1f} | {pj:.1f} | {pj / lc:.2f}x |")
+    same = sum(x == y for x, y in zip(tokens["llama.cpp", "float32"], tokens["paged-jax", "float32"]))
+    print(f"\nfloat32: {same} of {REQUESTS} requests' {OUT_LEN} greedy tokens the same on both engines")
+
+
+if __name__ == "__main__":
+    main()
