@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from paged_jax.memory.block_manager import BlockManager
+from paged_jax.memory.hybrid_block_manager import make_block_manager
+from paged_jax.memory.layer_groups import kv_layout
 from paged_jax.policy import make_policy
 from paged_jax.scheduler import SchedulerConfig, check_target_itl_ms
 
@@ -127,7 +129,7 @@ class EngineParts:
     eos_token_ids: frozenset
     eos_token_id: Optional[int]
     scheduler_config: SchedulerConfig
-    block_manager: BlockManager
+    block_manager: BlockManager  # or a HybridBlockManager (several layer groups)
     runner: Any  # paged_jax.executor.model_runner.ModelRunner
 
 
@@ -169,25 +171,27 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
                                        args.enable_chunked_prefill, policy=make_policy(args.scheduling_policy),
                                        target_itl_ms=args.target_itl_ms)
     bs = args.block_size
-    # No pool needs more than every sequence at full length could use (plus the null block).
-    cap = args.max_num_seqs * -(-max_model_len // bs) + 1
+    # One layer group per attention kind (blocks a window has passed freed in its group), or with
+    # free_blocks_outside_window=False one group keeping every block. A block (page) holds
+    # layout.num_slots layers: all of them with one group.
+    layout = kv_layout([mc.attention_spec(i).sliding_window for i in range(mc.num_layers)],
+                       args.free_blocks_outside_window)
+    # No pool needs more than every sequence at full length could use in every group (plus the null block).
+    cap = args.max_num_seqs * -(-max_model_len // bs) * layout.num_groups + 1
     if args.num_kv_blocks is not None:
         num_gpu_blocks = args.num_kv_blocks
     else:
         num_gpu_blocks = min(cap, num_blocks_for_memory(
             mc, bs, available_kv_memory(args.gpu_memory_utilization, args.cpu_kv_cache_space,
-                                        args.tensor_parallel_size)))
+                                        args.tensor_parallel_size), layout.num_slots))
         if num_gpu_blocks < 2:
             raise ValueError("not enough memory for a KV cache: give num_kv_blocks or more memory")
-    num_cpu_blocks = min(cap, int(args.swap_space * (1 << 30)) // (mc.kv_bytes_per_token * bs))
-    # Blocks behind the window can go only when every layer attends through one window.
-    windows = {mc.attention_spec(i).sliding_window for i in range(mc.num_layers)}
-    window = windows.pop() if len(windows) == 1 and args.free_blocks_outside_window else None
-    block_manager = BlockManager(bs, num_gpu_blocks, num_cpu_blocks, watermark=args.watermark,
-                                 enable_prefix_caching=args.enable_prefix_caching,
-                                 enable_block_sharing=args.enable_block_sharing, sliding_window=window)
+    num_cpu_blocks = min(cap, num_blocks_for_memory(mc, bs, int(args.swap_space * (1 << 30)), layout.num_slots))
+    block_manager = make_block_manager(layout, bs, num_gpu_blocks, num_cpu_blocks, watermark=args.watermark,
+                                       enable_prefix_caching=args.enable_prefix_caching,
+                                       enable_block_sharing=args.enable_block_sharing)
     runner = ModelRunner(mc, params, bs, num_gpu_blocks, num_cpu_blocks, args.attention_backend, args.seed,
-                         mesh=mesh, native_kernels=native, compile_cache_dir=args.compile_cache_dir)
+                         mesh=mesh, native_kernels=native, compile_cache_dir=args.compile_cache_dir, kv_layout=layout)
     logger.info("paged-jax engine: model=%s family=%s dtype=%s attention=%s blocks=%d x %d tokens (host %d), "
                 "max_model_len=%d", model_path, mc.family, mc.dtype, runner.attention_backend, num_gpu_blocks, bs,
                 num_cpu_blocks, max_model_len)

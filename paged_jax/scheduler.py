@@ -293,9 +293,7 @@ class Scheduler:
                             self.config.enable_chunked_prefill and not beams)
             if n == 0:
                 break
-            cow = self.block_manager.append_slot(seq)
-            if cow is not None:
-                out.blocks_to_copy.append(cow)
+            out.blocks_to_copy += self.block_manager.append_slots(seq)  # copy-on-write, per layer group
             out.scheduled.append(ScheduledSeq(seq, group, n, self.block_manager.get_block_table(seq)))
 
     def _prompt_fits(self, group: SequenceGroup, seq: Sequence, budget: StepBudget, out: SchedulerOutput) -> bool:

@@ -18,6 +18,12 @@ step (``paged_attention_layer``):
   ``tile_context_lens - tile_query_lens + i`` as in any prefill. No sequence is padded to
   the longest one in the step: the padding is under one tile per prefilling sequence.
 
+A model with several layer groups (``paged_jax.memory.layer_groups``: Gemma's windowed layers
+beside global ones) has one block table per group: ``group_block_tables`` and
+``group_slot_mapping`` hold every group's, and a layer attends through its group's view
+(:meth:`AttentionMetadata.for_group`); with one group they are None and ``block_tables`` /
+``slot_mapping`` serve every layer.
+
 A step with no tiles (``N = 0``) is a decode step. The executor's step batch
 (``paged_jax.executor.batch.Batch``) is this pytree plus the model's inputs: attention sees
 the batch through this view. Each array field names its dimensions (``dims``) once, for the
@@ -43,7 +49,7 @@ TILE_SIZE = 256
 
 def array_field(*dims: str, **kw):
     """A batch array (int32) of shape ``dims``: ``"T"`` tokens, ``"S"`` sequences, ``"B"`` blocks
-    per table, ``"N"`` query tiles."""
+    per table, ``"N"`` query tiles, ``"G"`` layer groups."""
     return field(metadata=dict(dims=dims), **kw)
 
 
@@ -70,6 +76,9 @@ class AttentionMetadata:
     tile_seq: jax.Array = step_field("N")  # row of the tile's sequence (S for padding: the null block's table)
     tile_context_lens: jax.Array = step_field("N")  # keys the tile's last query sees (0 for padding)
     tile_query_lens: jax.Array = step_field("N")  # queries in the tile (0 for padding)
+    # Per layer group [G, ...], with several groups (None with one): each group's block_tables, slot_mapping
+    group_block_tables: jax.Array = array_field("G", "S", "B", default=None)
+    group_slot_mapping: jax.Array = array_field("G", "T", default=None)
     # Static (part of the jit cache key)
     tile_size: int = field(default=TILE_SIZE, metadata=dict(static=True))
 
@@ -77,6 +86,14 @@ class AttentionMetadata:
     def num_tiles(self) -> int:
         """Query tiles (padded): 0 for a decode step."""
         return 0 if self.tile_seq is None else self.tile_seq.shape[0]
+
+    def for_group(self, group: int) -> "AttentionMetadata":
+        """The metadata a layer of layer group ``group`` attends through: its group's tables and slots."""
+        if self.group_block_tables is None:
+            return self
+        return dataclasses.replace(self, block_tables=self.group_block_tables[group],
+                                   slot_mapping=self.group_slot_mapping[group], group_block_tables=None,
+                                   group_slot_mapping=None)
 
     def tiles(self) -> "AttentionMetadata":
         """The query tiles as a prefill batch of their own (inside jit): one row per tile, with its

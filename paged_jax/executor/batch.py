@@ -25,7 +25,9 @@ from paged_jax.utils import pow2_bucket as bucket
 class SeqChunk:
     token_ids: list[int]  # the tokens to run this step
     start_pos: int  # position of token_ids[0] (= tokens already in the cache)
-    block_table: list[int]  # covers start_pos + len(token_ids) tokens (blocks past them are not sent)
+    # Covers start_pos + len(token_ids) tokens (blocks past them are not sent); with several layer
+    # groups, a GroupBlockTables (``per_group``: each group's table).
+    block_table: list[int]
     # The request's original prompt length (a recomputed sequence reruns its generated tokens as
     # prompt, but they keep theirs); None: the chunk ends the prompt (a whole prompt, or a decode).
     prompt_len: Optional[int] = None
@@ -51,12 +53,14 @@ class Batch(AttentionMetadata):
                 self.tile_seq.shape[0])
 
     @classmethod
-    def abstract(cls, shape_key: tuple[int, int, int, int]) -> "Batch":
-        """A batch of ``jax.ShapeDtypeStruct`` leaves for ``shape_key``, to compile against."""
+    def abstract(cls, shape_key: tuple[int, int, int, int], num_groups: int = 1) -> "Batch":
+        """A batch of ``jax.ShapeDtypeStruct`` leaves for ``shape_key`` (and ``num_groups`` layer
+        groups), to compile against."""
         T, S, B, N = shape_key
-        sizes = {"T": T, "S": S, "B": B, "N": N}
+        sizes = {"T": T, "S": S, "B": B, "N": N, "G": num_groups}
         return cls(**{f.name: jax.ShapeDtypeStruct(tuple(sizes[d] for d in f.metadata["dims"]), np.int32)
-                      for f in dataclasses.fields(cls) if "dims" in f.metadata})
+                      for f in dataclasses.fields(cls)
+                      if "dims" in f.metadata and ("G" not in f.metadata["dims"] or num_groups > 1)})
 
     # Host-side counts (numpy leaves only): every real sequence has at least one new token.
     @property
@@ -119,6 +123,8 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, min_tokens: int = 8, 
     keeps to the capacity), or none in a decode step."""
     S = len(chunks)
     T = sum(len(c.token_ids) for c in chunks)
+    tables_of = [getattr(c.block_table, "per_group", [c.block_table]) for c in chunks]
+    G = len(tables_of[0])
     # Only the blocks holding the tokens so far: a table reserved further ahead (the Orca policies)
     # would widen the step's shape and what attention reads, for blocks it never looks at.
     max_b = max(min(len(c.block_table), -(-(c.start_pos + len(c.token_ids)) // block_size)) for c in chunks)
@@ -133,11 +139,11 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, min_tokens: int = 8, 
     input_ids = np.zeros(Tp, np.int32)
     positions = np.zeros(Tp, np.int32)
     rope_lengths = np.zeros(Tp, np.int32)
-    slot_mapping = np.full(Tp, NULL_BLOCK * block_size, np.int32)
+    slot_mapping = np.full((G, Tp), NULL_BLOCK * block_size, np.int32)
     token_seq = np.full(Tp, Sp, np.int32)  # out of range: padding is dropped
     token_tile = np.full(Tp, Np, np.int32)  # out of range: not in a tile
     token_tile_pos = np.zeros(Tp, np.int32)
-    block_tables = np.full((Sp, Bp), NULL_BLOCK, np.int32)
+    block_tables = np.full((G, Sp, Bp), NULL_BLOCK, np.int32)
     context_lens = np.zeros(Sp, np.int32)
     query_lens = np.zeros(Sp, np.int32)
     last_token = np.zeros(Sp, np.int32)
@@ -153,13 +159,14 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, min_tokens: int = 8, 
             raise ValueError(f"block table of sequence row {s} holds {len(c.block_table)} blocks, "
                              f"too few for {end} tokens at block size {block_size}")
         pos = np.arange(c.start_pos, end, dtype=np.int32)
-        table = np.asarray(c.block_table[:-(-end // block_size)], np.int32)
         input_ids[t:t + n] = c.token_ids
         positions[t:t + n] = pos
         rope_lengths[t:t + n] = np.maximum(end if c.prompt_len is None else c.prompt_len, pos + 1)
-        slot_mapping[t:t + n] = table[pos // block_size] * block_size + pos % block_size
+        for g, group_table in enumerate(tables_of[s]):
+            table = np.asarray(group_table[:-(-end // block_size)], np.int32)
+            slot_mapping[g, t:t + n] = table[pos // block_size] * block_size + pos % block_size
+            block_tables[g, s, :len(table)] = table
         token_seq[t:t + n] = s
-        block_tables[s, :len(table)] = table
         context_lens[s] = end
         query_lens[s] = n
         last_token[s] = t + n - 1
@@ -172,11 +179,12 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, min_tokens: int = 8, 
             tile_query_lens[tile] = q
             tile += 1
         t += n
-    return Batch(input_ids=input_ids, positions=positions, rope_lengths=rope_lengths, slot_mapping=slot_mapping,
+    groups = dict(group_block_tables=block_tables, group_slot_mapping=slot_mapping) if G > 1 else {}
+    return Batch(input_ids=input_ids, positions=positions, rope_lengths=rope_lengths, slot_mapping=slot_mapping[0],
                  token_seq=token_seq, token_tile=token_tile, token_tile_pos=token_tile_pos,
-                 block_tables=block_tables, context_lens=context_lens, query_lens=query_lens, last_token=last_token,
+                 block_tables=block_tables[0], context_lens=context_lens, query_lens=query_lens, last_token=last_token,
                  tile_seq=tile_seq, tile_context_lens=tile_context_lens, tile_query_lens=tile_query_lens,
-                 tile_size=tile_size)
+                 tile_size=tile_size, **groups)
 
 
 def warmup_shapes(max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int, block_size: int,

@@ -80,8 +80,11 @@ def available_kv_memory(fraction: float, cpu_kv_cache_space: float, num_devices:
     return int(max(0, nbytes))
 
 
-def num_blocks_for_memory(config: ModelConfig, block_size: int, nbytes: int) -> int:
-    return nbytes // (config.kv_bytes_per_token * block_size)
+def num_blocks_for_memory(config: ModelConfig, block_size: int, nbytes: int,
+                          layers_per_block: Optional[int] = None) -> int:
+    """Blocks of ``block_size`` tokens of ``layers_per_block`` layers (default: all) in ``nbytes``."""
+    layers = config.num_layers if layers_per_block is None else layers_per_block
+    return nbytes * config.num_layers // (config.kv_bytes_per_token * block_size * layers)
 
 
 @jax.jit
@@ -89,15 +92,15 @@ def _take_rows(x, idx):
     return x[idx]
 
 
-def make_step(config: ModelConfig, attn):
+def make_step(config: ModelConfig, attn, kv_layout=None):
     """The step function the runner jits: ``step(params, kv_caches, batch, all_logits) -> (logits,
     kv_caches)`` for attention backend ``attn`` (an object, used as given: no availability check,
     so a step for another platform can be lowered here). ``all_logits`` is static: the logits of
-    every token, or of each sequence's last one."""
+    every token, or of each sequence's last one. ``kv_layout``: the cache's layer groups (``forward``)."""
 
     def step(params, kv_caches, batch: Batch, all_logits: bool):
         hidden, kv_caches = forward(params, config, batch.input_ids, batch.positions, kv_caches, batch, attn,
-                                    rope_lengths=batch.rope_lengths)
+                                    rope_lengths=batch.rope_lengths, kv_layout=kv_layout)
         rows = hidden if all_logits else hidden[batch.last_token]
         return compute_logits(params, config, rows), kv_caches
 
@@ -107,14 +110,17 @@ def make_step(config: ModelConfig, attn):
 class ModelRunner:
     def __init__(self, config: ModelConfig, params, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
                  attention_backend: str = "auto", seed: int = 0, mesh=None, native_kernels: bool = True,
-                 compile_cache_dir=None):
+                 compile_cache_dir=None, kv_layout=None):
         """``params``: as :func:`paged_jax.executor.loading.load_for_serving` readies them (the runner
         takes them as they are). ``attention_backend``: a registered backend's name, checked against every layer's
         :class:`AttentionSpec` and the dtype (ValueError if it refuses), or ``"auto"`` (see
         :func:`select_backend`; the reference under tensor parallelism). ``mesh``: tensor
         parallelism (``paged_jax.parallel``): params already sharded on it, the KV cache split
-        over KV heads, the attention backend run per device in shard_map."""
+        over KV heads, the attention backend run per device in shard_map. ``kv_layout``: a
+        :class:`~paged_jax.memory.KVLayout` with several layer groups (None: one array pair per layer)."""
         self.config, self.params, self.block_size = config, params, block_size
+        self.kv_layout = kv_layout if kv_layout is not None and kv_layout.num_groups > 1 else None
+        self.num_layer_groups = 1 if self.kv_layout is None else self.kv_layout.num_groups
         if mesh is not None and attention_backend == AUTO:
             # the native and Pallas kernels inside shard_map are untested: "auto" runs the reference there
             logger.info("tensor parallelism: attention_backend 'auto' runs 'reference' on each device")
@@ -131,7 +137,8 @@ class ModelRunner:
             self.attn = parallel.shard_backend(self.attn, mesh)
             self.kv_sharding = parallel.kv_cache_sharding(mesh)
             out_shardings = (parallel.replicated(mesh), self.kv_sharding)
-        shape = dict(num_layers=config.num_layers, block_size=block_size, num_kv_heads=config.num_kv_heads,
+        num_arrays = config.num_layers if self.kv_layout is None else self.kv_layout.num_slots
+        shape = dict(num_layers=num_arrays, block_size=block_size, num_kv_heads=config.num_kv_heads,
                      head_dim=kv_quant.cache_head_dim(config.head_dim, config.kv_cache_dtype),
                      dtype=kv_quant.storage_dtype(config.kv_cache_dtype, config.dtype))
         self.kv_caches = cache_ops.allocate_kv_caches(num_blocks=num_gpu_blocks, sharding=self.kv_sharding, **shape)
@@ -139,7 +146,7 @@ class ModelRunner:
         self._compiled: set = set()
         self._executables: dict = {}  # (shape_key, all_logits) -> compiled step, filled by warm_up
         self._functions: dict = {}  # (name, abstract arguments) -> compiled sampler, see _call
-        self._step = jax.jit(make_step(config, self.attn), static_argnums=(3,), donate_argnums=(1,),
+        self._step = jax.jit(make_step(config, self.attn, self.kv_layout), static_argnums=(3,), donate_argnums=(1,),
                              out_shardings=out_shardings)
         # Compiled steps on disk (None when off): a fresh process skips tracing and lowering.
         self.executable_cache = executable_cache.for_runner(config, self.attn, self.params, self.kv_caches, mesh,
@@ -183,7 +190,7 @@ class ModelRunner:
             bar = tqdm(total=len(shapes), desc="Compiling step shapes", dynamic_ncols=True)
         try:
             for key in shapes:
-                self._executables[(key, False)] = self._compile(Batch.abstract(key), False)
+                self._executables[(key, False)] = self._compile(Batch.abstract(key, self.num_layer_groups), False)
                 self._compiled.add((key, False))
                 if bar is not None:
                     bar.update(1)

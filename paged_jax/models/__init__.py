@@ -76,20 +76,25 @@ class LayerAttention:
         return paged_attention_layer(q, k, v, kv_cache, meta=self.meta, spec=self.spec, backend=self.backend)
 
 
-def forward(params, config: ModelConfig, input_ids, positions, kv_caches, meta, attn, rope_lengths=None):
+def forward(params, config: ModelConfig, input_ids, positions, kv_caches, meta, attn, rope_lengths=None,
+            kv_layout=None):
     """``attn`` is the attention backend; each layer gets a :class:`LayerAttention` of it for the
     batch's metadata and the layer's :class:`AttentionSpec`. ``rope_lengths``: with dynamic-NTK RoPE,
-    each token's rotation length."""
+    each token's rotation length. ``kv_layout`` (a :class:`~paged_jax.memory.KVLayout`; None: one
+    cache array pair per layer, one block table): layer ``i`` reads and writes cache array
+    ``layer_slot[i]`` through the block tables of its layer group ``layer_group[i]``."""
     fam = FAMILIES[config.family]
     h = fam.embed(params, config, input_ids, positions)
     # Dynamic NTK rotates each token for its own rotation length (the batch's, set from the request's
     # prompt length): the layers pass the pair on to apply_rope as they pass positions.
     layer_positions = (positions, rope_lengths) if config.rope_type == "dynamic" else positions
-    new_caches = []
-    for i, (lp, kv) in enumerate(zip(params["layers"], kv_caches)):
-        layer_attn = LayerAttention(config.attention_spec(i), meta, attn)
-        h, kv = fam.layer(lp, config, h, layer_positions, kv, layer_attn)
-        new_caches.append(kv)
+    grouped = kv_layout is not None and kv_layout.num_groups > 1
+    new_caches = list(kv_caches)
+    for i, lp in enumerate(params["layers"]):
+        slot = i if kv_layout is None else kv_layout.layer_slot[i]
+        layer_meta = meta.for_group(kv_layout.layer_group[i]) if grouped else meta
+        layer_attn = LayerAttention(config.attention_spec(i), layer_meta, attn)
+        h, new_caches[slot] = fam.layer(lp, config, h, layer_positions, new_caches[slot], layer_attn)
     return fam.final(params, config, h), new_caches
 
 

@@ -1,0 +1,116 @@
+"""Layer groups (one block table per attention kind, one pool of pages): the layout a model's layers
+get, the hybrid block manager's prefix hits across groups, and Gemma 3 through the engine: its
+windowed layers' blocks freed while it decodes, its greedy tokens still transformers'."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from paged_jax.memory import NULL_BLOCK, AllocStatus, HybridBlockManager, kv_layout
+from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
+
+
+def test_layouts_of_one_kind_and_of_gemma():
+    one = kv_layout([None] * 4)
+    assert one.windows == (None,) and one.layer_group == (0,) * 4 and one.layer_slot == (0, 1, 2, 3)
+    assert kv_layout([4] * 3).windows == (4,)  # Mistral: one group, freed by its window
+    assert kv_layout([4] * 3, groups=False).windows == (None,)
+    # Gemma 3 1B: 26 layers, every sixth global: 22 windowed and 4 global, pages of 2 layers
+    gemma3 = kv_layout([None if (i + 1) % 6 == 0 else 512 for i in range(26)])
+    assert gemma3.num_slots == 2 and gemma3.windows == (512,) * 11 + (None,) * 2
+    assert [gemma3.layer_group[i] for i in (0, 1, 2, 5, 11, 25)] == [0, 0, 1, 11, 11, 10]
+    # every (group, slot) pair is one layer's
+    assert len(set(zip(gemma3.layer_group, gemma3.layer_slot))) == 26
+    # Gemma 2: windowed and global alternate: two groups of all their layers
+    gemma2 = kv_layout([4096, None] * 13)
+    assert gemma2.windows == (4096, None) and gemma2.num_slots == 13
+    mixed = kv_layout([8, 8, 8, 8, 8, None], groups=False)  # the one-pool layout: every block kept
+    assert mixed.windows == (None,) and mixed.num_slots == 6
+
+
+def _request(rid: str, tokens: list[int]) -> SequenceGroup:
+    return SequenceGroup(rid, [Sequence(int(rid[1:]), tokens)])
+
+
+def _run(bm, group: SequenceGroup, new_tokens: int = 0) -> None:
+    """Admit, compute the prompt, decode ``new_tokens`` tokens, register the computed blocks."""
+    seq = group.seqs[0]
+    assert bm.can_allocate(group) is AllocStatus.OK
+    bm.allocate(group)
+    seq.status = SequenceStatus.RUNNING
+    seq.num_computed_tokens = seq.get_len()
+    for t in range(new_tokens):
+        seq.append_token_id(t % 3)
+        bm.append_slots(seq)
+        seq.num_computed_tokens = seq.get_len()
+    bm.mark_blocks_computed(seq)
+    bm.check_invariants()
+
+
+def test_a_prefix_hit_needs_every_groups_blocks():
+    """A windowed group frees its leading blocks as the sequence decodes; once the pool has evicted
+    them, a request with the same prefix hits nothing, though the full-attention group still has it
+    cached; with every group's blocks cached it hits them all."""
+    bm = HybridBlockManager(2, 40, 0, windows=(3, None), enable_prefix_caching=True)
+    prompt = [1, 2, 3, 4, 5, 6, 7, 8]
+    first = _request("r0", list(prompt))
+    _run(bm, first)
+    bm.free(first.seqs[0])
+    hit = bm.plan_allocation(_request("r1", prompt + [9])).plans  # both groups cached: 4 blocks hit in each
+    assert [len(p.seqs[0].cached) for p in hit] == [4, 4]
+
+    long = _request("r2", list(prompt))
+    _run(bm, long, new_tokens=12)  # decoding frees the windowed group's leading blocks
+    assert bm.get_num_freed_blocks(long.seqs[0], 0) > 0 and bm.get_num_freed_blocks(long.seqs[0], 1) == 0
+    assert bm.get_block_table(long.seqs[0], 0)[0] == NULL_BLOCK
+    bm.reset_prefix_cache()  # the freed (windowed) blocks go; the full group's stay held by r2
+    bm.free(long.seqs[0])  # now the full group's blocks are cached, the windowed group's first ones not
+    late = _request("r3", prompt + [9])
+    plans = bm.plan_allocation(late).plans
+    assert [len(p.seqs[0].cached) for p in plans] == [0, 0]
+    bm.allocate(late)
+    assert late.seqs[0].num_computed_tokens == 0  # no hit taken: every group computes the prompt
+    bm.check_invariants()
+
+
+@pytest.fixture(scope="module")
+def gemma3(hf_model_dir):
+    from tests.hf_models import load_hf
+
+    path = hf_model_dir("gemma3")
+    return path, load_hf(path)
+
+
+def test_gemma3_frees_windowed_blocks_and_keeps_transformers_tokens(gemma3):
+    """A 30-token prompt and 12 new tokens over 4-token blocks: the five windowed layers (window 6)
+    hold at most 3 blocks each once decoding, the global layer all 11; every token equals
+    transformers' greedy ``generate``."""
+    import torch
+
+    from paged_jax import SamplingParams
+    from paged_jax.engine import LLMEngine
+    from paged_jax.engine_args import EngineArgs
+
+    path, hf = gemma3
+    prompt = np.random.default_rng(3).integers(3, hf.config.vocab_size, size=30).tolist()
+    engine = LLMEngine(EngineArgs(model=str(path), block_size=4, max_model_len=64, max_num_seqs=2))
+    bm = engine.block_manager
+    assert isinstance(bm, HybridBlockManager) and bm.windows == (6,) * 5 + (None,)
+    engine.add_request("a", None, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+                       prompt_token_ids=prompt)
+    seq = engine._groups["a"].seqs[0]
+    held, done = [], []
+    while engine.has_unfinished_requests():
+        done += [o for o in engine.step() if o.finished]
+        bm.check_invariants()
+        if bm.has_seq(seq):
+            held.append((bm.get_group_usage(), len(bm.get_block_table(seq, 5))))
+    usage, num_blocks = held[-1]
+    assert num_blocks >= 10 and usage[5] == num_blocks  # the global layer keeps every block
+    assert all(n <= 3 for n in usage[:5])  # a window of 6 spans at most 3 blocks of 4
+    assert bm.get_num_free_gpu_blocks() == bm.gpu_allocator.num_total_blocks
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 30, dtype=torch.long),
+                           do_sample=False, max_new_tokens=12, min_new_tokens=12, pad_token_id=0)
+    assert list(done[0].outputs[0].token_ids) == want[0, 30:].tolist()
