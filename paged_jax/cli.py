@@ -42,6 +42,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="milliseconds between tokens that running streams should see while prompts prefill: "
                         "each step's prefill chunks are sized to a step-cost model fitted online "
                         "(default: a fixed token budget per step)")
+    p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
+                   help="speculative decoding, vLLM's dict as JSON, e.g. '{\"method\": \"ngram\", "
+                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (default: off)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices to split the model over (Megatron-style tensor parallelism)")
@@ -59,6 +62,27 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                         "or ~/.cache/paged_jax/jax_cache)")
 
 
+def _speculative_config(text: str) -> dict:
+    """--speculative-config: a JSON object, checked as ``LLM(speculative_config=...)`` checks it (argparse
+    reports a bad one with the option's name instead of a traceback)."""
+    import json
+
+    from paged_jax.spec_decode import SpeculativeConfig
+
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not valid JSON ({e}): {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object such as '{{\"method\": \"ngram\", "
+                                         f"\"num_speculative_tokens\": 4}}', got {text!r}")
+    try:
+        SpeculativeConfig.from_dict(value)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return value
+
+
 def _llm(a):
     from paged_jax import LLM
 
@@ -69,7 +93,7 @@ def _llm(a):
                warm_up=getattr(a, "warm_up", False), quantization=a.quantization,
                kv_cache_dtype=a.kv_cache_dtype, scheduling_policy=a.scheduling_policy,
                target_itl_ms=a.target_itl_ms, native_kernels=a.native_kernels,
-               compile_cache_dir=a.compile_cache_dir)
+               compile_cache_dir=a.compile_cache_dir, speculative_config=a.speculative_config)
 
 
 def cmd_generate(a) -> int:
@@ -89,6 +113,10 @@ def cmd_generate(a) -> int:
     print(f"\n{len(outputs)} requests in {dt:.2f} s (compilation included): {len(outputs) / dt:.2f} requests/s, "
           f"{n_out / dt:.1f} generated tokens/s, {(n_in + n_out) / dt:.1f} total tokens/s; "
           f"{stats['num_compilations']} compilations, {stats['num_preemptions']} preemptions")
+    sd = stats["spec_decode"]
+    if sd is not None and sd["num_drafts"]:
+        print(f"speculative decoding: {sd['num_accepted_tokens']} of {sd['num_draft_tokens']} draft tokens accepted "
+              f"({sd['acceptance_rate']:.2f}), {sd['mean_acceptance_length']:.2f} tokens per verified step")
     return 0
 
 

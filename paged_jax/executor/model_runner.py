@@ -175,23 +175,29 @@ class ModelRunner:
         return logits
 
     def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
-                sampling_params=None, eos_token_id: Optional[int] = None, progress: bool = True) -> int:
+                sampling_params=None, eos_token_id: Optional[int] = None, progress: bool = True,
+                num_speculative_tokens: int = 0) -> int:
         """Compile up front every step shape a run can reach (see :func:`warmup_shapes`),
         ahead of time (nothing runs on the device), and the sampler for every row bucket
-        with ``sampling_params`` (default: greedy). Returns the number of step shapes compiled."""
+        with ``sampling_params`` (default: greedy). With ``num_speculative_tokens`` (speculative
+        decoding) also the verification steps: each shape with several tokens per row, computing
+        every token's logits, and the sampler and row selection for up to one sampler row per
+        token. Returns the number of step shapes compiled."""
         from paged_jax.sampling_params import SamplingParams
 
-        shapes = [k for k in warmup_shapes(max_num_seqs, max_num_batched_tokens, max_model_len, self.block_size)
-                  if (k, False) not in self._executables]
+        reachable = warmup_shapes(max_num_seqs, max_num_batched_tokens, max_model_len, self.block_size)
+        # A step with draft tokens runs as a prefill shape (several tokens per row) with all its logits.
+        verify = [(k, True) for k in reachable if k[3]] if num_speculative_tokens else []
+        shapes = [key for key in [(k, False) for k in reachable] + verify if key not in self._executables]
         bar = None
         if progress:
             from tqdm.auto import tqdm
 
             bar = tqdm(total=len(shapes), desc="Compiling step shapes", dynamic_ncols=True)
         try:
-            for key in shapes:
-                self._executables[(key, False)] = self._compile(Batch.abstract(key, self.num_layer_groups), False)
-                self._compiled.add((key, False))
+            for key, all_logits in shapes:
+                self._executables[(key, all_logits)] = self._compile(Batch.abstract(key, self.num_layer_groups), all_logits)
+                self._compiled.add((key, all_logits))
                 if bar is not None:
                     bar.update(1)
         finally:
@@ -201,8 +207,10 @@ class ModelRunner:
         plist = [sampling_params or SamplingParams(temperature=0)]
         if isinstance(sampling_params, (list, tuple)):
             plist = list(sampling_params)
+        # Verification draws at every scored position: up to one sampler row per token of the step.
+        max_rows = bucket(max(max_num_seqs, max_num_batched_tokens if num_speculative_tokens else 0))
         n = 1
-        while n <= bucket(max_num_seqs):
+        while n <= max_rows:
             logits = jnp.zeros((n, self.config.vocab_size), jnp.float32)
             for p in plist:
                 seed = None if p.seed is None else seed_for_sample(p.seed, 0)
@@ -213,10 +221,10 @@ class ModelRunner:
             n *= 2
         # A step with prefill tokens has as many logits rows as tokens (one per possible sequence):
         # its sampled rows are taken out of them (``_take_rows``), for every bucket of rows sampled.
-        for rows in sorted({t for t, _, _, tiles in shapes if tiles}):
+        for rows in sorted({t for (t, _, _, tiles), _ in shapes if tiles}):
             logits = jnp.zeros((rows, self.config.vocab_size), jnp.float32)
             n = 1
-            while n <= min(rows, bucket(max_num_seqs)):
+            while n <= min(rows, max_rows):
                 jax.block_until_ready(self._call("take_rows", _take_rows, logits, np.zeros(n, np.int32)))
                 n *= 2
         return len(shapes)

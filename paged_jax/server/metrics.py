@@ -50,6 +50,26 @@ class _EngineStatsCollector:
         yield CounterMetricFamily(PREFIX + "generation_tokens", "Generated tokens.", value=s["num_generated_tokens"])
         yield CounterMetricFamily(PREFIX + "engine_steps", "Engine iterations.", value=s["num_steps"])
         yield from _step_cost_metrics(s)
+        yield from _spec_decode_metrics(s)
+
+
+def _spec_decode_metrics(s: dict):
+    """With speculative_config: vLLM's speculative decoding counters (``vllm:spec_decode_*``, here under
+    this server's prefix), from which a dashboard computes the acceptance rate (accepted / draft tokens),
+    the mean acceptance length (1 + accepted / drafts) and the acceptance per draft position."""
+    sd = s.get("spec_decode")
+    if not sd:
+        return
+    for name, doc in (("num_drafts", "Rows verified with at least one draft token."),
+                      ("num_draft_tokens", "Draft tokens proposed and verified."),
+                      ("num_accepted_tokens", "Draft tokens accepted.")):
+        yield CounterMetricFamily(PREFIX + "spec_decode_" + name, doc, value=sd[name])
+    per_pos = CounterMetricFamily(PREFIX + "spec_decode_num_accepted_tokens_per_pos",
+                                  "Draft tokens accepted at each draft position (0 = the first draft).",
+                                  labels=["position"])
+    for pos, count in enumerate(sd["num_accepted_tokens_per_pos"]):
+        per_pos.add_metric([str(pos)], count)
+    yield per_pos
 
 
 def _step_cost_metrics(s: dict):

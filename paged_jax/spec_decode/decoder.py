@@ -60,7 +60,20 @@ class SpecDecodeStats:
     num_drafts: int = 0  # rows that ran with at least one draft token
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Per draft position j: drafts accepted at position j (a row's accepted drafts are a prefix, so
+    # entry j counts the rows that kept at least j + 1 drafts)
+    num_accepted_tokens_per_pos: list = dataclasses.field(default_factory=list)
     proposal_time: float = 0.0  # seconds spent proposing (and growing block tables for the drafts)
+
+    def record(self, num_drafts: int, accepted: int) -> None:
+        """One verified row: ``num_drafts`` draft tokens, the first ``accepted`` of them accepted."""
+        self.num_drafts += 1
+        self.num_draft_tokens += num_drafts
+        self.num_accepted_tokens += accepted
+        per_pos = self.num_accepted_tokens_per_pos
+        per_pos.extend([0] * (num_drafts - len(per_pos)))
+        for j in range(accepted):
+            per_pos[j] += 1
 
     def as_dict(self) -> dict:
         d = dataclasses.asdict(self)
@@ -88,7 +101,7 @@ class SpecDecoder:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                       config.prompt_lookup_max, max_model_len)
-        self.stats = SpecDecodeStats()
+        self.stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
 
     # ---- before the step ---------------------------------------------------------------
     def propose(self, out: "SchedulerOutput") -> dict[int, int]:
@@ -155,9 +168,7 @@ class SpecDecoder:
         del seq.output_token_ids[len(seq.output_token_ids) - num_drafts:]
         accepted = num_accepted(drafts, [s.token_id for s in samples])
         seq.num_computed_tokens = seq.get_len() + accepted
-        self.stats.num_drafts += 1
-        self.stats.num_draft_tokens += num_drafts
-        self.stats.num_accepted_tokens += accepted
+        self.stats.record(num_drafts, accepted)
         return samples[:accepted + 1]
 
     def finish(self, seq: "Sequence") -> None:
