@@ -12,12 +12,11 @@ running decodes instead of stalling them. With a latency target
 (``target_itl_ms``), prefill chunks are sized each step so that the step's
 predicted time stays within it (:mod:`paged_jax.step_budget`).
 
-Which request is admitted next, the order running requests are served in, which
-one is preempted, and whether a request reserves KV space at admission are the
-*policy*'s (:mod:`paged_jax.policy`, given as ``SchedulerConfig(policy=...)``):
-first come first served by default (oldest served first, newest preempted
-first); the paper's baselines (Orca's reservations, FasterTransformer's static
-batching) are policies beside it.
+Which request is admitted next, the order requests are served in (prompts
+among themselves too), which one is preempted, and whether a request reserves KV
+space at admission are the *policy*'s (:mod:`paged_jax.policy`): first come
+first served by default; short prompts first with a latency target; the paper's
+baselines (Orca's reservations, FasterTransformer's static batches) beside them.
 
 Plain Python: the same scheduler drives the real engine and the simulator.
 """
@@ -31,9 +30,9 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from paged_jax.memory.block_manager import AllocStatus, BlockManager
-from paged_jax.policy import FCFS, Reservation, SchedulingPolicy
+from paged_jax.policy import FCFS, Reservation, SchedulingPolicy, is_prefilling, take_chosen
 from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
-from paged_jax.step_budget import StepBudget
+from paged_jax.step_budget import StepBudget, check_target_itl_ms  # noqa: F401  (engine_args imports it from here)
 from paged_jax.step_cost import StepCostModel
 
 logger = logging.getLogger("paged_jax")
@@ -70,17 +69,6 @@ class SchedulerConfig:
                 f"({self.max_model_len}) without chunked prefill, or a long prompt could never run; "
                 "raise it or set enable_chunked_prefill=True")
         check_target_itl_ms(self.target_itl_ms, self.enable_chunked_prefill)
-
-
-def check_target_itl_ms(target, chunked: bool = True) -> None:
-    """ValueError naming a ``target_itl_ms`` that is not None or a positive number of milliseconds."""
-    if target is None:
-        return
-    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target < float("inf"):
-        raise ValueError(f"target_itl_ms must be None or a positive number of milliseconds, got {target!r}")
-    if not chunked:
-        raise ValueError(f"target_itl_ms={target!r} needs enable_chunked_prefill=True: the target sizes "
-                         "prefill chunks, and without chunking a prompt runs whole")
 
 
 @dataclass
@@ -132,6 +120,7 @@ class Scheduler:
         self.waiting: deque[SequenceGroup] = deque()
         self.running: list[SequenceGroup] = []
         self.swapped: deque[SequenceGroup] = deque()
+        self._held: deque[SequenceGroup] = deque()  # in schedule(): running prompts the policy orders, not served yet
         self.num_preemptions = {m.value: 0 for m in PreemptionMode}
 
     # ---- queue management ----------------------------------------------------
@@ -172,35 +161,45 @@ class Scheduler:
         c = self.config
         budget = StepBudget(c.max_num_batched_tokens, c.max_num_seqs, self.block_manager.block_size,
                             None if c.target_itl_ms is None else c.target_itl_ms / 1e3, self.step_cost)
-        self._schedule_running(budget, out)
-        # Swapped requests come back, and then new ones are admitted, only if nothing was
-        # preempted this step; new ones only once no request is swapped out, and if the policy admits.
+        prompts = self._held = self._schedule_running(budget, out)  # the running prompts are left (chunked prefill)
+        order = self.policy.order_prefills(list(prompts), self.waiting) if c.enable_chunked_prefill else None
+        while order is None and prompts:  # no order of the policy's: they go before swapped and new ones
+            self._serve(prompts.popleft(), prompts, budget, out)
+        budget.seqs -= sum(g.num_seqs(SequenceStatus.RUNNING) for g in prompts)  # their rows are kept for them
+        # Swapped requests return, then new ones are admitted, only if nothing was preempted; new ones once none is swapped.
         if not out.preempted:
             self._schedule_swapped(budget, out)
-            if not self.swapped and self.policy.admission_open(self.running):
-                self._schedule_waiting(budget, out)
+        admit = not out.preempted and not self.swapped and self.policy.admission_open(self.running + list(prompts))
+        if order is not None:
+            self._schedule_prompts(order, prompts, admit, budget, out)
+        elif admit:
+            self._schedule_waiting(budget, out)
         return out
 
-    def _schedule_running(self, budget: StepBudget, out: SchedulerOutput) -> None:
-        """Serve the running requests in the policy's order. When one's next tokens need
-        blocks that are not free, preempt the policy's victims among those not served
-        yet, or, when none is left, the request itself."""
+    def _schedule_running(self, budget: StepBudget, out: SchedulerOutput) -> deque[SequenceGroup]:
+        """Serve the running requests in the policy's order (see ``_serve``); with chunked prefill only those
+        decoding: return the rest (those still prefilling), not served yet."""
         order = self.policy.order_running(self.running)
         if self.config.enable_chunked_prefill:
-            # Decode first: requests whose sequences each need one token are served before those
-            # still prefilling (a prompt chunk takes what budget the decodes leave), so a long
-            # prompt never holds back a token of a running stream. The policy's order is kept
-            # within each kind; victims are still chosen among those not served yet (prefills last).
-            order = ([g for g in order if not _prefilling(g)] + [g for g in order if _prefilling(g)])
+            # Decode first: a prompt chunk takes what budget the decodes leave, so a long prompt never holds
+            # back a token of a running stream. The policy's order is kept within each kind; victims are
+            # still chosen among those not served yet (prefills last).
+            order = ([g for g in order if not is_prefilling(g)] + [g for g in order if is_prefilling(g)])
         queue = deque(order)
         self.running = []
-        while queue:
-            group = queue.popleft()
-            if self._make_room(group, queue, out):
-                # With no token budget left, the group stays running and runs next time.
-                self._run(group, group.num_seqs(SequenceStatus.RUNNING), budget, out)
-            else:
-                self._preempt(group, out)
+        while queue and not (self.config.enable_chunked_prefill and is_prefilling(queue[0])):
+            self._serve(queue.popleft(), queue, budget, out)
+        return queue
+
+    def _serve(self, group: SequenceGroup, others: deque[SequenceGroup], budget: StepBudget,
+                   out: SchedulerOutput) -> None:
+        """Serve running ``group``. When its next tokens need blocks that are not free, preempt the
+        policy's victims among ``others`` (not served yet), or, when none is left, ``group`` itself."""
+        if self._make_room(group, others, out):
+            # With no token budget left, the group stays running and runs next time.
+            self._run(group, group.num_seqs(SequenceStatus.RUNNING), budget, out)
+        else:
+            self._preempt(group, out)
 
     def _make_room(self, group: SequenceGroup, others: deque[SequenceGroup], out: SchedulerOutput) -> bool:
         """Preempt the policy's victims among ``others`` until the next tokens of ``group``
@@ -208,7 +207,7 @@ class Scheduler:
         while not self.block_manager.can_append_slots(group):
             if not others:
                 return False
-            self._preempt(_take(others, self.policy.choose_victim(others), "choose_victim"), out)
+            self._preempt(take_chosen(others, self.policy.choose_victim(others), "choose_victim"), out)
         return True
 
     def _schedule_swapped(self, budget: StepBudget, out: SchedulerOutput) -> None:
@@ -219,7 +218,7 @@ class Scheduler:
             if n_seqs > budget.seqs or budget.tokens < n_seqs:
                 return
             if not self.block_manager.can_swap_in(group):
-                if self.running or out.scheduled:
+                if self.running or out.scheduled or self._held:
                     return
                 # Nothing else holds device blocks: it will never fit again.
                 self.swapped.popleft()
@@ -233,42 +232,61 @@ class Scheduler:
             self._run(group, n_seqs, budget, out)
 
     def _schedule_waiting(self, budget: StepBudget, out: SchedulerOutput) -> None:
-        """Admit new requests in the policy's order until one does not fit now: it waits,
-        and no request overtakes it. Requests that can never run are rejected."""
-        while self.waiting:
-            group = self.policy.next_waiting(self.waiting)
-            seq = group.get_seqs(SequenceStatus.WAITING)[0]
-            reason = self._reject_reason(group, seq)
-            if reason is not None:
-                self._reject(group, reason, out)
-                continue
-            # A request's samples fork after its prompt: count them all now.
-            n_seqs = max(group.num_seqs(SequenceStatus.WAITING), group.sampling_params.best_of)
-            if n_seqs > budget.seqs:
-                return
-            reserve = self.reservation(group).allocated
-            # A request that wants every prompt token's logprobs must compute every prompt token.
-            use_prefix_cache = group.sampling_params.prompt_logprobs is None
-            status = self.block_manager.can_allocate(group, reserve, use_prefix_cache)
-            if status is AllocStatus.NEVER:
-                self._reject(group, f"prompt of {seq.get_len()} tokens can never fit in the KV cache "
-                                    f"({self.block_manager.gpu_allocator.num_total_blocks} blocks of "
-                                    f"{self.block_manager.block_size} tokens)", out)
-                continue
-            if status is AllocStatus.LATER:
-                if self.running or out.scheduled:
-                    return
-                # Nothing can free blocks (the rest are pinned prefixes): it would wait forever.
-                self._reject(group, f"prompt of {seq.get_len()} tokens does not fit in the KV cache "
-                                    "left free by pinned prefixes", out)
-                continue
-            if not self._prompt_fits(group, seq, budget, out):
-                return
-            _take(self.waiting, group, "next_waiting")
-            self.block_manager.allocate(group, use_prefix_cache=use_prefix_cache, reserve_tokens=reserve)
-            for s in group.get_seqs(SequenceStatus.WAITING):
-                s.status = SequenceStatus.RUNNING
-            self._run(group, n_seqs, budget, out)
+        """Admit new requests in the policy's order until one does not fit now (no request overtakes it)."""
+        while self.waiting and self._admit(self.policy.next_waiting(self.waiting), budget, out):
+            pass
+
+    def _schedule_prompts(self, order: list[SequenceGroup], prompts: deque[SequenceGroup], admit: bool,
+                          budget: StepBudget, out: SchedulerOutput) -> None:
+        """Serve the policy's ``order`` (``order_prefills``) of running ``prompts`` and waiting requests:
+        each running one as in ``_serve`` (its victims among the running prompts after it), each waiting
+        one admitted while ``admit`` holds (not after a preemption, nor after one that did not fit)."""
+        running = {id(g) for g in prompts}
+        if running - {id(g) for g in order}:
+            self.running.extend(prompts)  # still running, not lost
+            raise ValueError("the scheduling policy's order_prefills left out a running request")
+        for group in order:
+            if id(group) not in running:
+                admit = admit and not out.preempted and self._admit(group, budget, out)
+            elif any(g is group for g in prompts):  # not preempted as an earlier one's victim
+                budget.seqs += group.num_seqs(SequenceStatus.RUNNING)  # kept for it, taken again as it is served
+                self._serve(take_chosen(prompts, group, "order_prefills"), prompts, budget, out)
+
+    def _admit(self, group: SequenceGroup, budget: StepBudget, out: SchedulerOutput) -> bool:
+        """Admit the waiting ``group`` if it fits now, reject it if it never can; False if it waits."""
+        seq = group.get_seqs(SequenceStatus.WAITING)[0]
+        reason = self._reject_reason(group, seq)
+        if reason is not None:
+            self._reject(group, reason, out)
+            return True
+        # A request's samples fork after its prompt: count them all now.
+        n_seqs = max(group.num_seqs(SequenceStatus.WAITING), group.sampling_params.best_of)
+        if n_seqs > budget.seqs:
+            return False
+        reserve = self.reservation(group).allocated
+        # A request that wants every prompt token's logprobs must compute every prompt token.
+        use_prefix_cache = group.sampling_params.prompt_logprobs is None
+        status = self.block_manager.can_allocate(group, reserve, use_prefix_cache)
+        if status is AllocStatus.NEVER:
+            self._reject(group, f"prompt of {seq.get_len()} tokens can never fit in the KV cache "
+                                f"({self.block_manager.gpu_allocator.num_total_blocks} blocks of "
+                                f"{self.block_manager.block_size} tokens)", out)
+            return True
+        if status is AllocStatus.LATER:
+            if self.running or out.scheduled or self._held:
+                return False
+            # Nothing can free blocks (the rest are pinned prefixes): it would wait forever.
+            self._reject(group, f"prompt of {seq.get_len()} tokens does not fit in the KV cache "
+                                "left free by pinned prefixes", out)
+            return True
+        if not self._prompt_fits(group, seq, budget, out):
+            return False
+        take_chosen(self.waiting, group, "next_waiting")
+        self.block_manager.allocate(group, use_prefix_cache=use_prefix_cache, reserve_tokens=reserve)
+        for s in group.get_seqs(SequenceStatus.WAITING):
+            s.status = SequenceStatus.RUNNING
+        self._run(group, n_seqs, budget, out)
+        return True
 
     # ---- helpers -------------------------------------------------------------
     def _run(self, group: SequenceGroup, n_seqs: int, budget: StepBudget, out: SchedulerOutput) -> None:
@@ -319,7 +337,7 @@ class Scheduler:
 
     def _reject(self, group: SequenceGroup, reason: str, out: SchedulerOutput) -> None:
         """A waiting request that can never run leaves the queue, ignored."""
-        _take(self.waiting, group, "next_waiting")
+        take_chosen(self.waiting, group, "next_waiting")
         self._finish_early(group, SequenceStatus.FINISHED_IGNORED, reason, out)
 
     def _finish(self, group: SequenceGroup, status: SequenceStatus) -> None:
@@ -379,19 +397,3 @@ class Scheduler:
         seqs = group.get_seqs(SequenceStatus.RUNNING)
         return (len(seqs) == 1 or group.beam is None
                 or sum(s.get_len() for s in seqs) <= self.config.max_num_batched_tokens)
-
-
-def _prefilling(group: SequenceGroup) -> bool:
-    """Whether a running sequence of ``group`` has more than one token to compute (a prompt, or a
-    recomputed sequence, not yet all in the cache)."""
-    return any(s.num_uncomputed_tokens > 1 for s in group.get_seqs(SequenceStatus.RUNNING))
-
-
-def _take(queue: deque[SequenceGroup], group: SequenceGroup, hook: str) -> SequenceGroup:
-    """Remove ``group`` (the one the policy's ``hook`` chose) from ``queue``; return it."""
-    for i, g in enumerate(queue):
-        if g is group:
-            del queue[i]
-            return group
-    raise ValueError(f"the scheduling policy's {hook} returned request {group.request_id!r}, "
-                     "which is not one of the requests it was given")

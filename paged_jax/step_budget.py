@@ -26,6 +26,17 @@ from paged_jax.step_cost import StepCostModel, StepLoad
 UNCALIBRATED_BUDGET = 256  # tokens per step before the cost model has seen enough steps
 
 
+def check_target_itl_ms(target, chunked: bool = True) -> None:
+    """ValueError naming a ``target_itl_ms`` that is not None or a positive number of milliseconds."""
+    if target is None:
+        return
+    if isinstance(target, bool) or not isinstance(target, (int, float)) or not 0 < target < float("inf"):
+        raise ValueError(f"target_itl_ms must be None or a positive number of milliseconds, got {target!r}")
+    if not chunked:
+        raise ValueError(f"target_itl_ms={target!r} needs enable_chunked_prefill=True: the target sizes "
+                         "prefill chunks, and without chunking a prompt runs whole")
+
+
 class StepBudget:
     """One step's remaining limits: ``tokens`` and ``seqs`` left, and with ``target_s`` (seconds)
     and ``cost`` the time the rows taken so far (``load``) are predicted to need."""

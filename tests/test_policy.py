@@ -177,7 +177,7 @@ def test_an_unknown_scheduling_policy_is_refused_by_name_before_loading():
 
     with pytest.raises(ValueError, match=r"scheduling_policy must be one of \['fcfs', 'orca-max'.*got 'lifo'"):
         EngineArgs(model="/nonexistent", scheduling_policy="lifo")
-    assert set(POLICIES) == {"fcfs", "orca-max", "orca-pow2", "orca-oracle", "fastertransformer"}
+    assert set(POLICIES) == {"fcfs", "orca-max", "orca-pow2", "orca-oracle", "fastertransformer", "short-first"}
 
 
 def test_the_command_line_takes_the_scheduling_policy():
