@@ -16,6 +16,10 @@ modelling choice: the gaps between a beam's successive next-token logprobs are
 exponential with mean ``beam_gap`` nats (default 1: a second choice on average e
 times less likely than the first). Smaller gaps keep beams apart longer; larger
 gaps let the best beam take over (more sharing).
+
+Memory is counted per layer group (``paged_jax.memory.layer_groups``): each step records the
+device blocks the scheduled rows' tables hold in each group (one group for a model of one
+attention kind), and the peak of each.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from paged_jax.executor.interface import RowSampling, Sample, StepResult, check_sampling
+from paged_jax.memory.block_allocator import NULL_BLOCK
 from paged_jax.scheduler import SchedulerOutput
 
 from experiments.cost_model import CostModel
@@ -57,6 +62,9 @@ class StepStats:
     swapped_blocks: int = 0
     copied_blocks: int = 0
     recorded: list = field(default_factory=list)
+    # Per layer group: device blocks the last step's rows held, and the most any step's held.
+    group_blocks: list = field(default_factory=list)
+    peak_group_blocks: list = field(default_factory=list)
 
 
 class SimulatedExecutor:
@@ -113,4 +121,18 @@ class SimulatedExecutor:
             s.batched_tokens += sum(q for q, _ in rows)
         s.swapped_blocks += swapped
         s.copied_blocks += copied
+        s.group_blocks = group_blocks(out)
+        s.peak_group_blocks = [max(a, b) for a, b in zip(s.group_blocks, s.peak_group_blocks)] or list(s.group_blocks)
         return result
+
+
+def group_blocks(out: SchedulerOutput) -> list[int]:
+    """Distinct device blocks the scheduled rows' tables hold, per layer group (a shared block once;
+    the null block of entries a sliding window freed not at all)."""
+    per_group: list[set[int]] = []
+    for r in out.scheduled:
+        tables = getattr(r.block_table, "per_group", [r.block_table])
+        per_group += [set() for _ in range(len(tables) - len(per_group))]
+        for held, table in zip(per_group, tables):
+            held.update(table)
+    return [len(held - {NULL_BLOCK}) for held in per_group]

@@ -114,3 +114,26 @@ def test_gemma3_frees_windowed_blocks_and_keeps_transformers_tokens(gemma3):
         want = hf.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, 30, dtype=torch.long),
                            do_sample=False, max_new_tokens=12, min_new_tokens=12, pad_token_id=0)
     assert list(done[0].outputs[0].token_ids) == want[0, 30:].tolist()
+
+
+def test_simulated_pool_per_kind_holds_the_window_and_more_sequences():
+    """The benchmark's run at small sizes (window 64, 512-token contexts, blocks of 16): the simulator's
+    per-group count of the pages running rows hold is the window's blocks in the windowed groups and
+    every block in the global one, and a pool of the same bytes runs about 3x the sequences while
+    requests wait. The arithmetic: ceil(64 / 16) + 1 = 5 pages per windowed group, 32 for the global."""
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "experiments"))
+    import bench_hybrid_memory as bench
+
+    a = SimpleNamespace(window=64, context=512, output_len=128, block_size=16)
+    mc = bench.gemma3_config(a.window, a.context)
+    one, grouped = bench.run(mc, a, False, 2, 2), bench.run(mc, a, True, 2, 2)
+    assert one["per_group"] == [2 * 32] and grouped["per_group"] == [2 * 5] * 5 + [2 * 32]
+    assert one["blocks_in_use"] == 64 and grouped["blocks_in_use"] == (5 * 10 + 64) / 6
+    # 16 requests in the bytes of 4 full-length sequences in one pool (deterministic: 4.1 and 12.8 per
+    # step while requests wait; the windowed groups hold 5 pages of 32, the bound is 1 / (1/6 + 5/6 x 5/32))
+    one, grouped = bench.run(mc, a, False, 4, 16), bench.run(mc, a, True, 4, 16)
+    assert grouped["mean_saturated"] > 2.5 * one["mean_saturated"] and grouped["peak_running"] >= 3 * 4
