@@ -35,9 +35,11 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
                    help="split long prompts into chunks beside the running decodes (default; --no-enable-chunked-prefill: a prompt runs whole in one step, the paper's mode)")
     p.add_argument("--enable-prefix-caching", action="store_true")
     p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--scheduling-policy", default="fcfs", choices=list(POLICIES),
-                   help="fcfs (vLLM's), or one of the paper's baselines: Orca reserving max_model_len, the prompt "
-                        "plus a power of two or the true output length; FasterTransformer (static batches)")
+    p.add_argument("--scheduling-policy", default=None, choices=list(POLICIES),
+                   help="fcfs (vLLM's; the default without --target-itl-ms), short-first (prompts with the fewest "
+                        "tokens left first, with aging; the default with it), or one of the paper's baselines: Orca "
+                        "reserving max_model_len, the prompt plus a power of two or the true output length; "
+                        "FasterTransformer (static batches)")
     p.add_argument("--target-itl-ms", type=float, default=None,
                    help="milliseconds between tokens that running streams should see while prompts prefill: "
                         "each step's prefill chunks are sized to a step-cost model fitted online "

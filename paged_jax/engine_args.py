@@ -59,8 +59,9 @@ class EngineArgs:
     # The compiled steps on disk (and JAX's persistent compilation cache, which is process-wide: the first
     # engine's folder); None: PAGED_JAX_COMPILE_CACHE or the default folder (see paged_jax.envs)
     compile_cache_dir: Optional[str] = None
-    # a name of paged_jax.policy.POLICIES ("fcfs", the paper's baselines) or a SchedulingPolicy object
-    scheduling_policy: Any = "fcfs"
+    # a name of paged_jax.policy.POLICIES ("fcfs", "short-first", the paper's baselines) or a SchedulingPolicy
+    # object; None: "fcfs", or "short-first" with a target_itl_ms
+    scheduling_policy: Any = None
     # Milliseconds between tokens that running streams should see while prompts prefill: each step's
     # prefill chunks are sized by a step-cost model fitted online (paged_jax.step_budget). None: today's
     # fixed token budget (max_num_batched_tokens).
@@ -167,9 +168,9 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     if args.target_itl_ms is not None and args.max_num_batched_tokens is None:
         # The target sizes the steps; the token budget only caps them (a chunk as large as a 2,048-token step).
         budget = max(budget, min(max_model_len, 2048))
+    policy = make_policy(args.scheduling_policy, args.target_itl_ms)
     scheduler_config = SchedulerConfig(args.max_num_seqs, budget, max_model_len, args.preemption_mode,
-                                       args.enable_chunked_prefill, policy=make_policy(args.scheduling_policy),
-                                       target_itl_ms=args.target_itl_ms)
+                                       args.enable_chunked_prefill, policy=policy, target_itl_ms=args.target_itl_ms)
     bs = args.block_size
     # One layer group per attention kind (blocks a window has passed freed in its group), or with
     # free_blocks_outside_window=False one group keeping every block. A block (page) holds

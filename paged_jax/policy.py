@@ -207,14 +207,18 @@ POLICIES = {
 }
 
 
-def make_policy(policy) -> SchedulingPolicy:
+def make_policy(policy, target_itl_ms: Optional[float] = None) -> SchedulingPolicy:
     """``policy`` itself when it is a :class:`SchedulingPolicy`, else the built-in one of that name
-    (:data:`POLICIES`); ValueError naming the allowed values otherwise."""
+    (:data:`POLICIES`); None: ``"fcfs"``, or ``"short-first"`` with a latency target (``target_itl_ms``:
+    a user who asks for short gaps wants short prompts not stuck behind long ones either). ValueError
+    naming the allowed values otherwise."""
+    if policy is None:
+        policy = "fcfs" if target_itl_ms is None else "short-first"
     if isinstance(policy, SchedulingPolicy):
         return policy
     if isinstance(policy, str) and policy in POLICIES:
         return POLICIES[policy]()
-    raise ValueError(f"scheduling_policy must be one of {list(POLICIES)} or a paged_jax.policy.SchedulingPolicy "
+    raise ValueError(f"scheduling_policy must be None, one of {list(POLICIES)} or a paged_jax.policy.SchedulingPolicy "
                      f"object, got {policy!r}")
 
 

@@ -325,6 +325,8 @@ def test_real_engine_with_a_target_gives_the_same_greedy_tokens(tiny_llama_dir):
         engine = LLMEngine(EngineArgs(model=str(tiny_llama_dir), max_num_seqs=8, num_kv_blocks=160,
                                       target_itl_ms=target))
         assert calibrate(engine) is (target is not None)
+        # The default policy: short prompts first with a target, FCFS without.
+        assert type(engine.scheduler.policy).__name__ == ("FCFS" if target is None else "ShortFirst")
         chunks = []  # prefill rows' sizes
         schedule = engine.scheduler.schedule
 

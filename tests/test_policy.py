@@ -175,7 +175,7 @@ def test_an_unknown_scheduling_policy_is_refused_by_name_before_loading():
     from paged_jax.engine_args import EngineArgs
     from paged_jax.policy import POLICIES
 
-    with pytest.raises(ValueError, match=r"scheduling_policy must be one of \['fcfs', 'orca-max'.*got 'lifo'"):
+    with pytest.raises(ValueError, match=r"scheduling_policy must be None, one of \['fcfs', 'orca-max'.*got 'lifo'"):
         EngineArgs(model="/nonexistent", scheduling_policy="lifo")
     assert set(POLICIES) == {"fcfs", "orca-max", "orca-pow2", "orca-oracle", "fastertransformer", "short-first"}
 
@@ -185,6 +185,6 @@ def test_the_command_line_takes_the_scheduling_policy():
 
     a = build_parser().parse_args(["generate", "--scheduling-policy", "fastertransformer"])
     assert a.scheduling_policy == "fastertransformer"
-    assert build_parser().parse_args(["serve"]).scheduling_policy == "fcfs"
+    assert build_parser().parse_args(["serve"]).scheduling_policy is None  # fcfs, or short-first with a target
     with pytest.raises(SystemExit):
         build_parser().parse_args(["generate", "--scheduling-policy", "lifo"])

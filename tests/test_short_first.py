@@ -173,6 +173,9 @@ def test_random_arrivals_no_starvation_no_lost_request_or_block(arrivals, target
 def test_short_first_is_a_policy_by_name_with_its_own_state_and_validated():
     a, b = make_policy("short-first"), make_policy("short-first")
     assert isinstance(a, ShortFirst) and a is not b and a.max_skipped_steps == 16
+    # The engine's default (scheduling_policy=None): FCFS without a latency target, short-first with one.
+    assert type(make_policy(None)) is FCFS and type(make_policy(None, target_itl_ms=20.0)) is ShortFirst
+    assert type(make_policy("fcfs", target_itl_ms=20.0)) is FCFS
     with pytest.raises(ValueError, match="max_skipped_steps must be a positive integer, got 0"):
         ShortFirst(0)
 
