@@ -1,24 +1,29 @@
-"""A latency target against the fixed token budget: streams decoding while a long prompt prefills.
+"""A latency target against fixed token budgets: streams decoding while long prompts prefill and short
+prompts keep arriving.
 
-    python experiments/bench_itl_target.py [--prompt-len 4000] [--streams 16] [--multiples 2 5 25]
+    python experiments/bench_itl_target.py [--long 4000 16000] [--streams 16] [--budgets 64 ... 4096]
+                                           [--multiples 2 5 25] [--quick]
 
-The workload is ``bench_long_prompt.py --stutter``'s (issue 18), on the same GPT-2-shaped model
-(512 wide, 8 layers, random float32): ``--streams`` greedy requests decode, then a ``--prompt-len``
-prompt arrives and runs to its first token. One process, side by side:
+The model is ``bench_long_prompt.py --stutter``'s (GPT-2-shaped: 512 wide, 8 layers, vocabulary 1,024,
+random float32). The scenario, on one engine: ``--streams`` greedy requests (32-token prompts) decode;
+after ``--before-steps`` steps the ``--long`` prompts arrive together, and from then on a short prompt
+(uniform 32 to 256 tokens, 8 output tokens) arrives every ``--short-every`` seconds until the last long
+prompt has its first token. One process, side by side:
 
-- **no target**: the engine's default (chunked prefill, a 256-token budget per step);
-- **target k x**: ``target_itl_ms`` = k times the decode step measured in the no-target run (the
-  median step of the streams alone), for each k of ``--multiples``.
+- **fixed budgets** (``max_num_batched_tokens`` of ``--budgets``, no target, FCFS): what a vLLM user tunes;
+- **target k x** (``target_itl_ms`` = k times the decode step measured in the first run: the median
+  step of the streams alone), each k of ``--multiples``, with the default policy under a target
+  (short prompts first); and target ``--fcfs-multiple`` x with FCFS, to show what the policy adds.
 
-Every engine is warmed up first (``warm_up``: every step shape compiled, and with a target the
-step-cost model calibrated).
-
-Each configuration runs the scenario on one engine until a run compiles nothing (the first compiles
-the shapes it reaches; a target's chunk sizes may reach new ones later), at most 4 times, and reports
-the last run. Printed: the streams' longest and p99 gap during the long prefill over their
-median gap before it, the same gaps over the target, the long prompt's time to first token over its
-time alone (the prompt alone on the no-target engine, its default budget), the steps it took, the
-cost model's median prediction error and its median prefill chunk.
+Each engine is warmed up first (``warm_up``: step shapes compiled; with a target, the cost model
+calibrated); the scenario runs once (``--runs``), and the compilations during it are counted. Printed per
+configuration: the streams' p50 / p99 / max gap while the long prompts prefill (from their arrival to the
+last one's first token; in ms and over the target), each long prompt's time to first token, the short
+prompts' p50 / p99 time to first token (from their arrival) and over a short prompt's time alone (the
+median of three alone on the engine with the default budget, 256), the tokens computed per second over that window, the cost
+model's median prediction error. ``--figure`` (default ``experiments/figures/itl_target.png``) draws the
+longest prompt's time to first token against the p99 gap: fixed budgets as a curve, targets as points;
+the rows go to the ``.json`` beside it. ``--quick``: a tiny model and short prompts (a smoke test).
 """
 
 from __future__ import annotations
@@ -27,9 +32,105 @@ import argparse
 import json
 import sys
 import tempfile
+import time
+from pathlib import Path
 
 import bench_common  # noqa: F401  (puts this checkout on the path)
-from bench_long_prompt import STUTTER_MODEL, stutter_alone, stutter_run
+from bench_long_prompt import STUTTER_MODEL
+
+FIGURE = Path(__file__).resolve().parent / "figures" / "itl_target.png"
+QUICK = dict(model=dict(family="gpt2", vocab_size=256, n_embd=64, n_layer=2, n_head=4), long=[300, 600], streams=4,
+             budgets=[64, 512], multiples=[5], fcfs_multiple=None, before_steps=4, short_every=0.05, short_max=64)
+
+
+def scenario(engine, a, rng, tag: str) -> dict:
+    """Streams decode, the long prompts arrive, short ones follow; returns gaps, first-token times, tokens."""
+    import numpy as np
+
+    from paged_jax import SamplingParams
+
+    vocab = engine.model_config.vocab_size
+    greedy = dict(temperature=0, ignore_eos=True)
+    stream_ids = [f"{tag}-s{i}" for i in range(a.streams)]
+    for rid in stream_ids:
+        engine.add_request(rid, None, SamplingParams(max_tokens=100_000, **greedy), rng.integers(3, vocab, 32).tolist())
+    longs = {f"{tag}-long{n}": rng.integers(3, vocab, n).tolist() for n in a.long}
+    counts, last, arrival, first = dict.fromkeys(stream_ids, 0), {}, {}, {}
+    gaps, decode_steps, shorts, phase, before_left = [], [], [], "start", a.before_steps
+    t_add = next_short = None
+    steps0 = gen0 = None
+    while True:
+        now = time.perf_counter()
+        if phase == "start" and all(counts[r] >= 2 for r in stream_ids):
+            phase = "before"
+        if phase == "before" and before_left == 0:
+            for rid, p in longs.items():
+                engine.add_request(rid, None, SamplingParams(max_tokens=1, **greedy), p)
+                arrival[rid] = now
+            t_add, next_short, phase = now, now + a.short_every, "during"
+            steps0, gen0 = engine.num_steps, engine.num_generated_tokens
+        while phase == "during" and next_short <= now:  # arrivals due by now, each at its own time
+            rid = f"{tag}-short{len(shorts)}"
+            prompt = rng.integers(3, vocab, int(rng.integers(32, a.short_max + 1))).tolist()
+            engine.add_request(rid, None, SamplingParams(max_tokens=8, **greedy), prompt)
+            arrival[rid], next_short = next_short, next_short + a.short_every
+            shorts.append((rid, len(prompt)))
+        t0 = time.perf_counter()
+        outs = engine.step()
+        t1 = time.perf_counter()
+        if phase == "before":
+            decode_steps.append(t1 - t0)
+            before_left -= 1
+        for o in outs:
+            n = len(o.outputs[0].token_ids)
+            if o.request_id in counts and n > counts[o.request_id]:
+                counts[o.request_id] = n
+                if phase == "during" and o.request_id in last:
+                    gaps.append(t1 - last[o.request_id])
+                last[o.request_id] = t1
+            elif o.request_id in arrival and n and o.request_id not in first:
+                first[o.request_id] = t1 - arrival[o.request_id]
+        if phase == "during" and all(rid in first for rid in longs):
+            break
+    window = time.perf_counter() - t_add
+    done_shorts = [(rid, n) for rid, n in shorts if rid in first]
+    # Tokens computed in the window: the long prompts, the short ones that got their first token, every
+    # token generated (streams and short prompts).
+    tokens = sum(map(len, longs.values())) + sum(n for _, n in done_shorts) + engine.num_generated_tokens - gen0
+    engine.abort_request(stream_ids + [rid for rid, _ in shorts])
+    while engine.has_unfinished_requests():
+        engine.step()
+    short_ttft = [first[rid] for rid, _ in done_shorts]
+    return dict(decode_step_s=float(np.median(decode_steps)), gaps_s=[float(np.percentile(gaps, q)) for q in (50, 99)],
+                max_gap_s=max(gaps), long_ttft_s={n: first[rid] for n, rid in zip(a.long, longs)},
+                short_ttft_s=[float(np.percentile(short_ttft, q)) for q in (50, 99)] if short_ttft else None,
+                num_shorts=len(shorts), num_shorts_served=len(done_shorts), window_s=window,
+                tokens_per_s=tokens / window, steps=engine.num_steps - steps0)
+
+
+def short_alone(engine, a, rng) -> float:
+    """The median time to first token of three short prompts, each alone on ``engine``."""
+    import numpy as np
+
+    from paged_jax import SamplingParams
+
+    times = []
+    for i in range(3):
+        prompt = rng.integers(3, engine.model_config.vocab_size, a.short_max).tolist()
+        t0 = time.perf_counter()
+        engine.add_request(f"alone{i}", None, SamplingParams(temperature=0, max_tokens=1, ignore_eos=True), prompt)
+        while engine.has_unfinished_requests():
+            engine.step()
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def configs(a) -> list[dict]:
+    rows = [dict(mode="budget", budget=b, multiple=None, policy="fcfs") for b in a.budgets]
+    rows += [dict(mode="target", budget=None, multiple=k, policy=None) for k in a.multiples]
+    if a.fcfs_multiple:
+        rows.append(dict(mode="target", budget=None, multiple=a.fcfs_multiple, policy="fcfs"))
+    return rows
 
 
 def run(a) -> list[dict]:
@@ -39,78 +140,134 @@ def run(a) -> list[dict]:
     from paged_jax.engine_args import EngineArgs
     from paged_jax.models.tiny import make_tiny_model
 
-    rows = []
+    rows, decode_ms = [], None
     with tempfile.TemporaryDirectory() as tmp:
-        model = str(make_tiny_model(tmp, n_positions=a.prompt_len + 128, **STUTTER_MODEL))
-        decode_ms = alone_s = None
-        for k in [None, *a.multiples]:
-            target = None if k is None else round(k * decode_ms, 2)
-            engine = LLMEngine(EngineArgs(model=model, max_model_len=a.prompt_len + 128, target_itl_ms=target))
-            engine.warm_up(progress=False)  # every step shape compiled first (a target reaches many); then calibrates
+        max_len = max(a.long) + 128
+        model = str(make_tiny_model(tmp, n_positions=max_len, **a.model))
+        for cfg in configs(a):
+            target = None if cfg["multiple"] is None else round(cfg["multiple"] * decode_ms, 2)
+            engine = LLMEngine(EngineArgs(model=model, max_model_len=max_len, max_num_batched_tokens=cfg["budget"],
+                                          target_itl_ms=target, scheduling_policy=cfg["policy"]))
+            if a.warm_up:
+                engine.warm_up(progress=False)
+            else:
+                from paged_jax.step_cost import calibrate
+
+                calibrate(engine)
             rng = np.random.default_rng(0)
-            vocab = engine.model_config.vocab_size
-            runs, alone = [], []
-            for rep in range(4):  # until a run compiles nothing (the first compiles the shapes it reaches)
-                prompt = rng.integers(3, vocab, size=a.prompt_len).tolist()
+            for rep in range(a.runs):
                 before = engine.runner.num_compilations
-                runs.append(stutter_run(engine, a.streams, prompt, a.before_steps, a.after_steps, rng, f"r{rep}"))
-                compiled = engine.runner.num_compilations - before
-                if k is None:
-                    alone.append(stutter_alone(engine, prompt, f"r{rep}"))
-                    compiled = engine.runner.num_compilations - before
-                if rep and not compiled:
-                    break
-            r = dict(multiple=k, target_ms=target, budget=engine.scheduler_config.max_num_batched_tokens, **runs[-1],
-                     runs=rep + 1, compiled_in_reported_run=compiled)
-            if k is None:
-                decode_ms, alone_s = 1e3 * r["decode_step_s"], alone[-1]
-            r["ttft_alone_s"] = alone_s
+                r = scenario(engine, a, rng, f"r{rep}")
+            r.update(cfg, target_ms=target, budget=engine.scheduler_config.max_num_batched_tokens,
+                     policy=type(engine.scheduler.policy).__name__, compiled=engine.runner.num_compilations - before)
+            if decode_ms is None:
+                decode_ms = 1e3 * r["decode_step_s"]
+            r["short_alone_s"] = short_alone(engine, a, rng)
             cost = engine.get_stats()["step_cost"]
             if cost:
-                r.update(prediction_error=cost["median_relative_error"], knee=cost["knee_tokens"],
-                         median_chunk=(cost["prefill_chunk_tokens"] or {}).get("median"),
-                         coefficients=cost["coefficients"])
+                r.update(prediction_error=cost["median_relative_error"],
+                         median_chunk=(cost["prefill_chunk_tokens"] or {}).get("median"))
             rows.append(r)
             print(json.dumps(r), file=sys.stderr, flush=True)
             del engine
     return rows
 
 
+def reference(rows: list[dict]) -> dict:
+    """The engine's default: the fixed budget of 256 tokens (else the first row)."""
+    return next((r for r in rows if r["mode"] == "budget" and r["budget"] == 256), rows[0])
+
+
 def report(rows: list[dict], a) -> str:
-    decode_ms = 1e3 * rows[0]["decode_step_s"]
-    lines = [f"{a.streams} streams decoding, a {a.prompt_len:,}-token prompt arrives (GPT-2-shaped: 512 wide, "
-             f"8 layers; float32; CPU). Decode step alone: {decode_ms:.1f} ms.", "",
-             "| mode | target (ms) | max gap / median before | p99 gap / median | max gap / target | p99 gap / target "
-             "| TTFT (s) | TTFT / alone | prefill steps | mixed step (ms) | prediction error | median chunk "
-             "| runs (compiles in the last) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    d = 1e3 * rows[0]["decode_step_s"]
+    longest = max(a.long)
+    alone = reference(rows)["short_alone_s"]
+    lines = [f"{a.streams} streams decoding; prompts of {', '.join(f'{n:,}' for n in a.long)} tokens arrive, then a "
+             f"short prompt (32-{a.short_max} tokens) every {a.short_every:g} s until the last one's first token. "
+             f"Decode step alone: {d:.1f} ms; a {a.short_max}-token prompt alone (budget {reference(rows)['budget']}): "
+             f"{alone:.2f} s.", "",
+             "| mode | policy | target (ms) | gap p50 / p99 / max (ms) | p99 / target | max / target | "
+             + " | ".join(f"TTFT {n:,} (s)" for n in a.long)
+             + " | short TTFT p50 / p99 (s) | short p99 / alone | shorts served | tokens/s | steps "
+             "| prediction error | compiles |", "|---|---|---:|---:|---:|---:|" + "---:|" * len(a.long) + "---:|" * 7]
     for r in rows:
-        med = r["median_gap_before_s"]
-        if r["target_ms"] is None:
-            mode, tgt, vs = f"no target (budget {r['budget']})", "-", ("-", "-")
-        else:
-            t = r["target_ms"] / 1e3
-            mode, tgt = f"target {r['multiple']:g}x decode step", f"{r['target_ms']:.1f}"
-            vs = (f"{r['max_gap_during_s'] / t:.2f}", f"{r['p99_gap_during_s'] / t:.2f}")
+        mode = f"budget {r['budget']}" if r["mode"] == "budget" else f"target {r['multiple']:g}x decode step"
+        t = r["target_ms"]
+        over = ("-", "-") if t is None else (f"{1e3 * r['gaps_s'][1] / t:.2f}", f"{1e3 * r['max_gap_s'] / t:.2f}")
+        short = r["short_ttft_s"]
         err = f"{100 * r['prediction_error']:.0f} %" if r.get("prediction_error") is not None else "-"
-        chunk = f"{r['median_chunk']:.0f}" if r.get("median_chunk") is not None else "-"
-        lines.append(f"| {mode} | {tgt} | {r['max_gap_during_s'] / med:.1f}x | {r['p99_gap_during_s'] / med:.1f}x "
-                     f"| {vs[0]} | {vs[1]} | {r['ttft_s']:.2f} | {r['ttft_s'] / r['ttft_alone_s']:.2f} "
-                     f"| {r['prefill_steps']} | {1e3 * r['mixed_step_s']:.1f} | {err} | {chunk} "
-                     f"| {r['runs']} ({r['compiled_in_reported_run']}) |")
+        lines.append(
+            f"| {mode} | {r['policy']} | {'-' if t is None else f'{t:.1f}'} | {1e3 * r['gaps_s'][0]:.1f} / "
+            f"{1e3 * r['gaps_s'][1]:.1f} / {1e3 * r['max_gap_s']:.1f} | {over[0]} | {over[1]} | "
+            + " | ".join(f"{r['long_ttft_s'][n]:.2f}" for n in a.long)
+            + (f" | {short[0]:.2f} / {short[1]:.2f} | {short[1] / alone:.1f}x" if short else " | - | -")
+            + f" | {r['num_shorts_served']}/{r['num_shorts']} | {r['tokens_per_s']:,.0f} | {r['steps']} | {err} "
+            f"| {r['compiled']} |")
+    lines.append(f"\nFigure: {a.figure} (time to first token of the {longest:,}-token prompt against the streams' "
+                 "p99 gap).")
     return "\n".join(lines)
+
+
+def figure(rows: list[dict], a) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    longest = max(a.long)
+    d = 1e3 * rows[0]["decode_step_s"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.4))
+    fixed = sorted((r for r in rows if r["mode"] == "budget"), key=lambda r: r["budget"])
+    ax.plot([1e3 * r["gaps_s"][1] for r in fixed], [r["long_ttft_s"][longest] for r in fixed], "o-", color="tab:gray",
+            label="fixed token budget (FCFS)")
+    for r in fixed:
+        ax.annotate(str(r["budget"]), (1e3 * r["gaps_s"][1], r["long_ttft_s"][longest]), textcoords="offset points",
+                    xytext=(4, 4), fontsize=8, color="tab:gray")
+    for r in (r for r in rows if r["mode"] == "target"):
+        color = "tab:blue" if r["policy"] == "ShortFirst" else "tab:orange"
+        ax.plot(1e3 * r["gaps_s"][1], r["long_ttft_s"][longest], "*", ms=12, color=color)
+        ax.axvline(r["target_ms"], color=color, lw=0.6, ls=":")
+        ax.annotate(f"target {r['multiple']:g}x" + ("" if r["policy"] == "ShortFirst" else " (FCFS)"),
+                    (1e3 * r["gaps_s"][1], r["long_ttft_s"][longest]), textcoords="offset points", xytext=(4, -12),
+                    fontsize=8, color=color)
+    ax.plot([], [], "*", ms=12, color="tab:blue", label="latency target (short-first); dotted: the target")
+    ax.set_xscale("log")
+    ax.set_xlabel(f"streams' p99 inter-token gap (ms; decode step alone {d:.0f} ms)")
+    ax.set_ylabel(f"{longest:,}-token prompt's time to first token (s)")
+    ax.set_title(f"{a.streams} streams while {' + '.join(f'{n:,}' for n in a.long)}-token prompts prefill (CPU)",
+                 fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    Path(a.figure).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(a.figure, dpi=120)
+    Path(a.figure).with_suffix(".json").write_text(json.dumps(rows, indent=1))
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--prompt-len", type=int, default=4000)
+    ap.add_argument("--long", type=int, nargs="+", default=[4000, 16000], help="the long prompts' tokens")
     ap.add_argument("--streams", type=int, default=16)
-    ap.add_argument("--multiples", type=float, nargs="+", default=[2, 5, 25],
+    ap.add_argument("--budgets", type=int, nargs="*", default=[64, 128, 256, 512, 1024, 2048, 4096])
+    ap.add_argument("--multiples", type=float, nargs="*", default=[2, 5, 25],
                     help="targets as multiples of the measured decode step")
+    ap.add_argument("--fcfs-multiple", type=float, default=5, help="also this target with FCFS (0: not)")
     ap.add_argument("--before-steps", type=int, default=20)
-    ap.add_argument("--after-steps", type=int, default=5)
+    ap.add_argument("--short-every", type=float, default=0.5, help="seconds between short prompts")
+    ap.add_argument("--short-max", type=int, default=256, help="the short prompts' longest")
+    ap.add_argument("--runs", type=int, default=1, help="scenarios per engine (the last reported)")
+    ap.add_argument("--no-warm-up", dest="warm_up", action="store_false",
+                    help="skip compiling every step shape first (the target's cost model is still calibrated)")
+    ap.add_argument("--figure", default=str(FIGURE))
+    ap.add_argument("--quick", action="store_true", help="a tiny model and short prompts: a smoke test")
     a = ap.parse_args(argv)
-    print(report(run(a), a))
+    a.model = STUTTER_MODEL
+    if a.quick:
+        for k, v in QUICK.items():
+            setattr(a, k, v)
+    rows = run(a)
+    figure(rows, a)
+    print(report(rows, a))
+    return rows
 
 
 if __name__ == "__main__":

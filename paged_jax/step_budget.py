@@ -10,6 +10,10 @@ step gets at least one chunk up to its next block boundary even when the predict
 leaves no room (a target below any useful chunk still finishes every prompt, one
 block per step). Chunks the target cuts end on block boundaries, so each step fills
 whole blocks (what prefix caching registers) and wastes no partial block's work.
+The prediction is a central estimate, so the time budget is the target divided by the
+cost model's margin (:meth:`paged_jax.step_cost.StepCostModel.margin`: how much longer
+than predicted the recent steps with prefill ran, at their 90th percentile), so that
+most steps, not half of them, end within the target.
 
 Until the model is calibrated (it needs measured steps of both kinds), steps hold at
 most :data:`UNCALIBRATED_BUDGET` tokens: the engine's default chunked budget.
@@ -49,6 +53,8 @@ class StepBudget:
         self.cost = cost
         if self.target_s is not None and not cost.calibrated:
             tokens = min(tokens, UNCALIBRATED_BUDGET)
+        elif self.target_s is not None:
+            self.target_s /= cost.margin()  # room for the steps that run longer than predicted
         self.tokens = tokens
         self.load = StepLoad()
 

@@ -45,6 +45,7 @@ from typing import Callable, Iterable, Optional
 import numpy as np
 
 TERMS = ("step", "row", "token", "token_past_knee", "decode_context", "prefill_pair", "prefill_read")
+MARGIN_QUANTILE, MAX_MARGIN, MIN_MARGIN_STEPS = 0.9, 1.5, 8  # see StepCostModel.margin
 KNEES = (1, 16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024)  # tried as the roofline's ridge
 
 
@@ -108,6 +109,7 @@ class StepCostModel:
         self.num_observations = 0
         self.num_rejected = 0  # measurements refused (not a positive finite number of seconds)
         self._errors: deque = deque(maxlen=window)  # |predicted - measured| / measured, before each fit saw it
+        self._ratios: deque = deque(maxlen=window)  # measured / predicted of steps with prefill tokens, likewise
         self._chunks: deque = deque(maxlen=window)  # prefill chunk sizes of the observed steps
 
     # ---- prediction ------------------------------------------------------------
@@ -142,7 +144,10 @@ class StepCostModel:
             return
         x = self.features(load)
         if self.coefficients is not None:
-            self._errors.append(abs(float(with_knee(x, self.knee) @ self.coefficients) - seconds) / seconds)
+            predicted = float(with_knee(x, self.knee) @ self.coefficients)
+            self._errors.append(abs(predicted - seconds) / seconds)
+            if load.prefill_chunks and predicted > 0:
+                self._ratios.append(seconds / predicted)
         (self._mixed if load.prefill_chunks else self._decode).append((x, float(seconds)))
         self._chunks.extend(load.prefill_chunks)
         self.num_observations += 1
@@ -176,6 +181,17 @@ class StepCostModel:
             b, _ = robust_nnls(with_knee(x, knee), y)
         self.coefficients = b
 
+    def margin(self) -> float:
+        """The factor by which a step with prefill tokens ran longer than predicted at the
+        :data:`MARGIN_QUANTILE` of recent such steps (each predicted before it was measured), in
+        [1, :data:`MAX_MARGIN`]; 1 until :data:`MIN_MARGIN_STEPS` are known. The step budget divides the
+        target by it, so that most steps, not half, end within the target: the prediction is a
+        central estimate and a step's time scatters around it. A quantile moves little for one wild
+        measurement, and the cap keeps a run of them from shrinking every chunk to its minimum."""
+        if len(self._ratios) < MIN_MARGIN_STEPS:
+            return 1.0
+        return float(min(MAX_MARGIN, max(1.0, np.quantile(self._ratios, MARGIN_QUANTILE))))
+
     # ---- reporting -------------------------------------------------------------
     def stats(self) -> dict:
         """Coefficients (seconds per unit of each term), the median relative prediction error of
@@ -187,6 +203,7 @@ class StepCostModel:
                              else {t: float(c) for t, c in zip(TERMS, self.coefficients)}),
             "knee_tokens": self.knee,
             "median_relative_error": float(np.median(self._errors)) if self._errors else None,
+            "margin": self.margin(),
             "num_observations": self.num_observations,
             "num_rejected": self.num_rejected,
             "prefill_chunk_tokens": ({"last": chunks[-1], "median": float(np.median(chunks)), "max": max(chunks)}

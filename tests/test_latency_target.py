@@ -19,7 +19,7 @@ from paged_jax.engine_args import EngineArgs
 from paged_jax.memory.block_manager import BlockManager
 from paged_jax.scheduler import Scheduler, SchedulerConfig
 from paged_jax.sequence import SequenceStatus
-from paged_jax.step_budget import UNCALIBRATED_BUDGET
+from paged_jax.step_budget import UNCALIBRATED_BUDGET, StepBudget
 from paged_jax.step_cost import StepCostModel, StepLoad, calibrate, robust_nnls, with_knee
 from tests.test_scheduler import advance, group
 
@@ -227,6 +227,36 @@ def test_one_bad_measurement_moves_the_chunk_by_at_most_a_block():
     assert model.num_rejected == 3
 
 
+def test_the_margin_is_a_high_quantile_of_measured_over_predicted_and_shrinks_the_chunk():
+    """Steps with prefill that run longer than predicted (a scatter around the prediction) give a margin
+    near the scatter's 90th percentile; the time budget is the target over it, so chunks shrink; a wild
+    measurement barely moves it and a run of them cannot push it past the cap."""
+    from paged_jax.step_cost import MAX_MARGIN
+
+    def model_seeing(ratios):
+        model = fixed_model()
+        model.fit = lambda: None  # keep the fixed coefficients: only the margin learns
+        for i, ratio in enumerate(ratios):
+            load = StepLoad.of([(1, 10)] * 4 + [(64 + i % 64, 0)])
+            model.observe(load, model.predict(load) * ratio)
+        return model
+
+    assert fixed_model().margin() == 1.0  # nothing seen yet
+    rng = np.random.default_rng(3)
+    ratios = rng.lognormal(0, 0.1, 100)
+    model = model_seeing(ratios)
+    assert model.margin() == pytest.approx(np.quantile(ratios, 0.9)) and 1.08 < model.margin() < 1.2
+    assert model_seeing(rng.lognormal(-0.5, 0.05, 100)).margin() == 1.0  # faster than predicted: no margin
+    assert abs(model_seeing([*ratios[1:], 50.0]).margin() - model.margin()) < 0.02  # one stall
+    assert model_seeing([50.0] * 100).margin() == MAX_MARGIN
+    # The chunk: the largest whose prediction stays within target / margin.
+    budget_none = StepBudget(tokens=2048, seqs=8, block_size=BS, target_s=10.05e-3, cost=fixed_model())
+    budget_margin = StepBudget(tokens=2048, seqs=8, block_size=BS, target_s=10.05e-3, cost=model)
+    m = model.margin()
+    want = expected_chunk(model.coefficients, 10.05e-3 / m, [], 0, 1000, 2048)
+    assert budget_none.take(1000, 0, chunked=True) == 80 and budget_margin.take(1000, 0, chunked=True) == want < 80
+
+
 def test_robust_nnls_keeps_coefficients_non_negative():
     rng = np.random.default_rng(2)
     x = np.column_stack([np.ones(50), rng.uniform(1, 100, 50)])
@@ -371,8 +401,6 @@ def test_metrics_show_the_target_coefficients_error_and_chunks():
 
 def test_a_decode_runs_even_after_a_prefill_used_the_time():
     """Decodes normally come first; one that comes later (a swapped request returning) still runs."""
-    from paged_jax.step_budget import StepBudget
-
     budget = StepBudget(tokens=2048, seqs=8, block_size=BS, target_s=10.05e-3, cost=fixed_model())
     assert budget.take(1000, 0, chunked=True) == 80  # 2 ms + 80 x 0.1 ms within 10.05 ms (a block boundary)
     assert budget.take(500, 0, chunked=True) == 0  # no time left for a second prompt
