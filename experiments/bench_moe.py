@@ -7,7 +7,7 @@ model against a dense model of the same active parameters.
 1. The experts of one layer (router included), jitted, for each batch of tokens: the dense
    all-experts formulation (a batched matmul: every token through every expert, weighted by its router scores, zero for the
    experts it did not choose), ``jax.lax.ragged_dot`` over the tokens sorted by expert, and the
-   sort-and-segment step paged-jax runs (:func:`paged_jax.models.moe.grouped_experts`); beside them a
+   sort-and-segment step paged-jax runs (:func:`paged_jax.models.moe_experts.grouped_experts`); beside them a
    dense SwiGLU MLP ``top_k x expert-width`` wide (the same active parameters). Each time is the
    median of ``--repeats`` rounds that run the variants in turn; the three give the same output.
 2. ``LLM.generate`` (greedy, ``--batch`` prompts decoding together): a tiny random Mixtral of these
@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 import bench_common  # noqa: F401  (puts this checkout on the path)
-from paged_jax.models import moe
+from paged_jax.models import moe, moe_experts
+from paged_jax.weights import DenseLinear, ExpertStack
 
 
 def dense_all_experts(x, router, gate_up, down, cfg):
@@ -52,9 +53,9 @@ def ragged(x, router, gate_up, down, cfg):
     return jnp.zeros_like(x).at[token].add(y)
 
 
-def segmented(x, router, gate_up, down, cfg):
+def segmented(x, router, stacks, cfg):
     weights, experts = moe.route(x @ router, cfg)
-    return moe.grouped_experts(x, weights, experts, gate_up, down)
+    return moe_experts.grouped_experts(x, weights, experts, stacks)
 
 
 def dense_active(x, gate_up, down):
@@ -73,11 +74,15 @@ def time_layer(a) -> None:
     active_down = jnp.asarray(0.05 * rng.standard_normal((k * I, H)), jnp.float32)
     # weights are arguments, as the params are in the engine's step (constants would be folded by XLA)
     args = (router, gate_up, down)
+    # the engine's layout: gate, up and down each an ExpertStack
+    stacks = {"gate": gate_up[..., :I], "up": gate_up[..., I:], "down": down}
+    stacks = (router, {n: ExpertStack(DenseLinear(w)) for n, w in stacks.items()})
     variants = {"dense all experts": lambda x, w: dense_all_experts(x, *w, cfg),
                 "ragged_dot": lambda x, w: ragged(x, *w, cfg),
                 "sort+segment": lambda x, w: segmented(x, *w, cfg),
                 "dense MLP, same active": lambda x, w: dense_active(x, *w)}
     weights = {n: (active_gate_up, active_down) if n.startswith("dense MLP") else args for n in variants}
+    weights["sort+segment"] = stacks
     print(f"one MoE layer: {E} experts, top-{k}, hidden {H}, expert width {I}, float32, "
           f"median ms of {a.repeats} rounds ({jax.devices()[0].device_kind})")
     print(f"{'tokens':>6} " + " ".join(f"{n:>22}" for n in variants) +

@@ -40,7 +40,7 @@ def test_moe_layer_matches_numpy_reference(scoring, renormalize):
     import jax.numpy as jnp
 
     from paged_jax.models import moe
-    from paged_jax.weights import DenseLinear
+    from paged_jax.weights import DenseLinear, ExpertStack
 
     E, k, H, I, S = 8, 2, 16, 12, 10
     rng = np.random.default_rng(0)
@@ -51,7 +51,9 @@ def test_moe_layer_matches_numpy_reference(scoring, renormalize):
     shared_gate = rng.standard_normal((H, 1)).astype(np.float32)
     cfg = moe.MoEConfig(E, k, I, renormalize, (0,), scoring=scoring, shared_intermediate_size=S,
                         shared_expert_gate=True)
-    params = {"router": DenseLinear(jnp.asarray(router)), "gate_up": jnp.asarray(gate_up), "down": jnp.asarray(down),
+    stack = lambda w: ExpertStack(DenseLinear(jnp.asarray(w)))  # noqa: E731
+    params = {"router": DenseLinear(jnp.asarray(router)), "gate": stack(gate_up[..., :I]),
+              "up": stack(gate_up[..., I:]), "down": stack(down),
               "shared": {n: DenseLinear(jnp.asarray(w)) for n, w in zip(("gate", "up", "down"), shared)},
               "shared_gate": DenseLinear(jnp.asarray(shared_gate))}
     run = jax.jit(lambda p, x, real: moe.moe_mlp(p, cfg, x, real))  # the engine's path: real tokens marked
@@ -77,7 +79,7 @@ def test_moe_layer_matches_numpy_reference(scoring, renormalize):
 
 
 def test_window_ladder_holds_every_segment():
-    from paged_jax.models.moe import window_sizes
+    from paged_jax.models.moe_experts import window_sizes
 
     for T in (1, 2, 7, 8, 9, 33, 100, 2048):
         sizes = window_sizes(T)

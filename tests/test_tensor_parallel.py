@@ -28,6 +28,9 @@ SHARED_SAMPLING = dict(n=3, temperature=0.8, seed=7)
 TIGHT = dict(num_kv_blocks=16, block_size=8)  # 15 usable blocks of 8 tokens for 12 prompts of up to 59 tokens
 
 
+MOE_RUN = dict(prompts=PROMPTS[::3], max_tokens=8)
+
+
 def run_worker(tmp_path, jobs, devices=4, timeout=900):
     spec, out = tmp_path / "jobs.json", tmp_path / "out.json"
     spec.write_text(json.dumps({"devices": devices, "jobs": jobs}))
@@ -67,6 +70,8 @@ def tp_runs(hf_model_dir, tmp_path_factory):
     shared = dict(prompts=PROMPTS[:4], max_tokens=8, sampling=SHARED_SAMPLING, enable_prefix_caching=True, **AMPLE)
     for tp in (1, 2):
         jobs[("shared", tp)] = {**job(hf_model_dir("llama_gqa"), tp), **shared}
+    # A mixture of 8 experts split over 2 devices (4 each); under preemption, other families: slow tests
+    jobs[("qwen3_moe", 2)] = dict(job(hf_model_dir("qwen3_moe"), 2, **AMPLE), **MOE_RUN)
     results = run_worker(tmp_path_factory.mktemp("tp"), list(jobs.values()))
     return dict(zip(jobs, results)), ckpt
 
@@ -114,6 +119,30 @@ def test_step_communicates_like_megatron(tp_runs, variant):
     assert [s.split("{")[0] for s in coll.get("all-gather", [])] == ["f32[2,512]"], coll  # [rows, vocab]
 
 
+def transformers_greedy(path, prompts, max_tokens) -> list:
+    import torch
+
+    from tests.hf_models import load_hf
+
+    hf = load_hf(path)
+    with torch.no_grad():
+        return [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                            do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
+                            pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+
+
+def test_expert_parallel_greedy_equals_transformers(tp_runs, hf_model_dir):
+    """tp=2 on a mixture of experts: each device holds 4 of the 8 experts (and its half of the
+    attention heads); greedy tokens equal transformers' for each prompt alone, and the step gathers
+    no weights (all-reduces, and the logits' all-gather)."""
+    got = tp_runs[0][("qwen3_moe", 2)]
+    assert got["all_free"]
+    assert got["shards"]["experts.gate"] == [[4, 64, 48]] * 2 and got["shards"]["experts.down"] == [[4, 48, 64]] * 2
+    assert set(got["collectives"]) <= {"all-reduce", "all-gather"}, got["collectives"]
+    want = transformers_greedy(hf_model_dir("qwen3_moe"), MOE_RUN["prompts"], MOE_RUN["max_tokens"])
+    assert got["tokens"] == want
+
+
 def test_tp_parallel_samples_with_copy_on_write(tp_runs):
     """n=3 seeded samples per prompt: forks, copy-on-write block copies on the split cache."""
     runs, _ = tp_runs
@@ -145,6 +174,28 @@ def test_tp_more_families(hf_model_dir, tmp_path, variant):
     base, *others = run_worker(tmp_path, jobs)
     for tp, got in zip((2, 4), others):
         assert_same_outputs(got, base, f"{variant} tp={tp}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("variant", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_expert_parallel_under_preemption_and_from_orbax(hf_model_dir, tmp_path, variant):
+    """Every MoE family at tp=2 (swap) and tp=4 (recompute; Qwen2-MoE's and Mixtral's 4 experts one
+    to a device), and restored from an orbax checkpoint straight into its shards at tp=2: greedy
+    tokens equal transformers'."""
+    from paged_jax.parallel.checkpoint import convert
+
+    path = hf_model_dir(variant)
+    ckpt = convert(path, tmp_path / "ckpt")
+    runs = run_worker(tmp_path, [job(path, 2, preemption_mode="swap", **TIGHT),
+                                 job(path, 4, preemption_mode="recompute", **TIGHT), job(ckpt, 2, **AMPLE)])
+    want = transformers_greedy(path, PROMPTS, MAX_TOKENS)
+    for tp, got in zip((2, 4, 2), runs):
+        assert got["tokens"] == want and got["all_free"], tp
+        assert got["shards"]["experts.gate"][0][0] == FAMILY_EXPERTS[variant] // tp
+    assert runs[0]["preemptions"]["swap"] > 0 and runs[1]["preemptions"]["recompute"] > 0
+
+
+FAMILY_EXPERTS = {"mixtral": 4, "qwen2_moe": 4, "qwen3_moe": 8}
 
 
 @pytest.mark.slow
@@ -239,7 +290,7 @@ def test_two_processes_serve_one_model(hf_model_dir, tmp_path):
 
 
 @pytest.mark.parametrize("variant, dtype", [("opt_post", "bfloat16"), ("llama_tied_scaled", "auto"),
-                                            ("qwen2_untied", "auto")])
+                                            ("qwen2_untied", "auto"), ("qwen3_moe", "auto")])
 def test_orbax_checkpoint_restores_the_same_params(hf_model_dir, tmp_path, variant, dtype):
     """convert -> restore (one device) gives exactly the arrays the safetensors loader gives, in the
     converted dtype; a second convert into the same folder is refused."""

@@ -60,6 +60,11 @@ def run_job(job: dict) -> dict:
     for name, leaf in (("q", "w"), ("k", "w"), ("o", "w"), ("up", "w"), ("down", "w"), ("fc1", "w"), ("fc2", "w")):
         if name in layer:
             shards[f"{name}.{leaf}"] = shard_shapes(getattr(layer[name], leaf))
+    if "moe" in layer:  # a stack of experts: its first array ([E, ...]) is what the devices split
+        import jax
+
+        for name in ("gate", "down"):
+            shards[f"experts.{name}"] = shard_shapes(jax.tree.leaves(layer["moe"][name])[0])
     return {"tokens": [o.outputs[0].token_ids for o in outs],
             "samples": [[c.token_ids for c in o.outputs] for o in outs],
             "cum_logprobs": [o.outputs[0].cumulative_logprob for o in outs],

@@ -3,28 +3,13 @@
 A router scores the experts of each token (softmax or sigmoid of a linear map), keeps the top k
 (their scores renormalised to sum to one, or not, as the config says), and the token's output is the
 score-weighted sum of those experts' SwiGLU MLPs, plus a shared expert (behind its own sigmoid gate)
-where the family has one. Experts are stacked weights: ``gate_up`` ``[E, hidden, 2 * I]`` (gate and up
-side by side, one matmul) and ``down`` ``[E, I, hidden]``.
+where the family has one.
 
-How the experts run: the step's (token, expert) pairs are sorted by expert, and every expert multiplies
-a window of the sorted rows that starts at its own segment, all experts in one batched matmul against
-the stacked weights (``[E, C, H] @ [E, H, 2I]``). The window size C is the step's largest segment rounded
-up a ladder of sizes (1, 2, 4, 8, 16, 24, 32, 48, ...), chosen at run time by ``lax.switch``; rows of a
-window past its expert's segment are masked out, and the results are added back to their tokens. So the
-work is E x C rows where the dense all-experts formulation does E x T, and no weights are copied. A step
-of a few tokens (at most E / 2k: decoding one or two sequences) instead runs only the experts chosen,
-each behind a ``lax.cond``, so the others' weights are not even read.
-
-Measured side by side on this project's CPU (``experiments/bench_moe.py``: 8 experts, top-2, hidden
-512, expert width 1024, float32, weights passed as arguments as the engine passes params; 2 shared,
-noisy cores, so runs differ by tens of percent), against the dense all-experts batched matmul this ran
-1.1-1.7x as fast at 32 tokens, about 2.1x at 128, 1.3-2.3x at one token, and about even at 4-8 tokens
-(where every expert is chosen and all weights are read either way). The alternatives lost:
-``jax.lax.ragged_dot`` ran 6-20x *slower* than this (on the CPU XLA lowers it to one dense matmul over
-all groups with masked inputs, after copying the whole weight into a new layout), and a loop over the
-experts, each on its own window, ran about as slow as the dense matmul (each iteration copied its
-expert's weight slice). On a GPU, where ``ragged_dot`` is a grouped GEMM and each ``lax.switch`` or
-``lax.cond`` reads its branch index back to the host, the balance may differ: measure there.
+The experts are stacked weights (:class:`~paged_jax.weights.experts.ExpertStack`: ``gate``, ``up``
+``[E, hidden, I]``, ``down`` ``[E, I, hidden]``), each expert read from the checkpoint as any linear
+layer is (float, or quantized as the checkpoint stores it), and run by
+:mod:`paged_jax.models.moe_experts`: sorted by expert on one device, or split over devices under
+tensor parallelism (expert parallelism).
 """
 
 from __future__ import annotations
@@ -33,11 +18,12 @@ from dataclasses import dataclass
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from paged_jax.errors import ModelLoadError
 from paged_jax.models import llama
 from paged_jax.models.layers import linear, rms_norm
+from paged_jax.models.moe_experts import expert_mesh, grouped_experts, split_experts
+from paged_jax.weights.experts import stack_experts
 
 SCORINGS = ("softmax", "sigmoid")
 
@@ -83,77 +69,17 @@ def route(logits, cfg: MoEConfig):
     return weights, experts
 
 
-def window_sizes(num_rows: int) -> list[int]:
-    """The ladder of window sizes the largest segment is rounded up to: 1, 2, 4, 8, then two sizes per
-    doubling (16, 24, 32, 48, 64, 96, ...), and last ``num_rows`` (the most one expert can get: each
-    token picks it at most once)."""
-    sizes, s = [], 1
-    while s < min(num_rows, 8):
-        sizes.append(s)
-        s *= 2
-    s = 8
-    while s < num_rows:
-        sizes.append(s)
-        s = s * 3 // 2 if (s & (s - 1)) == 0 else s * 4 // 3  # a power of two, then 1.5 times one
-    return sizes + [num_rows]
-
-
-def grouped_experts(x, weights, experts, gate_up, down, act=jax.nn.silu, real=None):
-    """Each token's weighted sum over its chosen experts' SwiGLU MLPs, by sort-and-segment.
-
-    x ``[T, H]``; weights, experts ``[T, k]``; gate_up ``[E, H, 2I]``; down ``[E, I, H]``; ``real``
-    ``[T]`` bool: the step's real tokens (the others, the batch's padding, go to no expert and get 0)."""
-    T, k = experts.shape
-    E = gate_up.shape[0]
-    if real is not None:  # padding sorts after every expert's segment and counts for none
-        experts = jnp.where(real[:, None], experts, E)
-
-    def mlp(xs, gate_up, down, weight):  # [..., rows, H] -> [..., rows, H] float32, times each row's weight
-        gate, up = jnp.split(jnp.matmul(xs, gate_up), 2, axis=-1)
-        return jnp.matmul(act(gate) * up, down).astype(jnp.float32) * weight[..., None]
-
-    flat = experts.reshape(-1)
-    order = jnp.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
-    token = (order // k).astype(jnp.int32)
-    counts = jnp.bincount(flat, length=E + 1)[:E]
-    starts = jnp.cumsum(counts) - counts
-    sizes = window_sizes(T)
-    pad = sizes[-1]  # a window starting at the last segment may run past the end: padding rows
-    rows = jnp.concatenate([x[token], jnp.zeros((pad, x.shape[1]), x.dtype)])
-    row_weight = jnp.concatenate([weights.reshape(-1)[order], jnp.zeros((pad,), weights.dtype)])
-    row_token = jnp.concatenate([token, jnp.zeros((pad,), jnp.int32)])
-
-    if 2 * T * k <= E:  # a few tokens (decoding a few sequences): only the experts they chose read their weights
-        def expert(e, out):
-            def run(out):
-                y = mlp(rows[starts[e] + jnp.arange(T)], gate_up[e], down[e], row_weight[starts[e] + jnp.arange(T)])
-                mine = jnp.arange(T) < counts[e]
-                return out.at[row_token[starts[e] + jnp.arange(T)]].add(jnp.where(mine[:, None], y, 0.0))
-            return jax.lax.cond(counts[e] > 0, run, lambda out: out, out)
-
-        out = jnp.zeros(x.shape, jnp.float32)
-        for e in range(E):  # unrolled: a static slice of the weights, read only when the expert runs
-            out = expert(e, out)
-        return out.astype(x.dtype)
-
-    def windows(size):
-        def run():
-            at = starts[:, None] + jnp.arange(size)[None, :]  # [E, size]: each expert's window of sorted rows
-            y = mlp(rows[at], gate_up, down, row_weight[at])  # one batched matmul, no weight copies
-            mine = jnp.arange(size)[None, :] < counts[:, None]  # rows past the segment: the next expert's
-            y = jnp.where(mine[..., None], y, 0.0).reshape(-1, x.shape[1])
-            return jnp.zeros(x.shape, jnp.float32).at[row_token[at].reshape(-1)].add(y)
-        return run
-
-    branch = jnp.searchsorted(jnp.asarray(sizes, jnp.int32), jnp.max(counts))  # the smallest that holds all
-    return jax.lax.switch(branch, [windows(s) for s in sizes]).astype(x.dtype)
-
-
 def moe_mlp(p, cfg: MoEConfig, x, real=None):
     """The mixture's output for normed hidden states ``x`` ``[T, H]`` (``p``: :func:`moe_params`;
-    ``real``: as :func:`grouped_experts` takes it)."""
+    ``real``: as :func:`~paged_jax.models.moe_experts.grouped_experts` takes it)."""
     weights, experts = route(linear(x, p["router"]), cfg)
-    y = grouped_experts(x, weights, experts, p["gate_up"], p["down"], real=real)
+    stacks = {n: p[n] for n in ("gate", "up", "down")}
+    mesh = expert_mesh(stacks)
+    if mesh is None:
+        y = grouped_experts(x, weights, experts, stacks, real=real)
+    else:
+        y = split_experts(mesh, x, weights, experts, stacks, real=real)
+    y = y.astype(x.dtype)
     if "shared" in p:
         shared = llama.mlp(p["shared"], x)
         if "shared_gate" in p:
@@ -214,15 +140,6 @@ def hf_tensor_shapes(c, shapes: dict, names: ExpertNames) -> dict[str, tuple]:
     return shapes
 
 
-def _array_module(tensors):
-    """numpy or jax.numpy, as ``get`` gave the tensors."""
-    if not all(hasattr(t, "dtype") for t in tensors):
-        # the sharded loader's abstract tensors (paged_jax.parallel.checkpoint) have no stacked form yet
-        raise ModelLoadError("stacked expert weights load only unsharded (tensor_parallel_size 1, a Hugging "
-                             "Face folder); experts split over devices are not supported yet")
-    return np if isinstance(tensors[0], np.ndarray) else jnp
-
-
 def moe_params(c, get, lin, names: ExpertNames):
     """``mlp(i, prefix)`` for :func:`paged_jax.models.llama.params_from_hf`: the mixture's params on a
     sparse layer, LLaMA's MLP on the others."""
@@ -232,14 +149,14 @@ def moe_params(c, get, lin, names: ExpertNames):
         if i not in m.sparse_layers:
             return llama.mlp_params(lin, p + "mlp.")
         q = p + names.block
-        gate, up, down = names.expert
-        expert = [f"{q}experts.{e}." for e in range(m.num_experts)]
-        # checkpoint Linear weights are [out, in]; the stacks are [E, in, out], gate and up side by side
-        gates = [get(x + f"{gate}.weight").T for x in expert]
-        ups = [get(x + f"{up}.weight").T for x in expert]
-        xp = _array_module(gates)
-        out = {"router": lin(q + "gate", None), "gate_up": xp.concatenate([xp.stack(gates), xp.stack(ups)], axis=-1),
-               "down": xp.stack([get(x + f"{down}.weight").T for x in expert])}
+        out = {"router": lin(q + "gate", None)}
+        for key, name in zip(("gate", "up", "down"), names.expert):
+            # each expert as any linear layer: float, or quantized as the checkpoint stores it
+            linears = [lin(f"{q}experts.{e}.{name}", None) for e in range(m.num_experts)]
+            try:
+                out[key] = stack_experts(linears)
+            except ValueError as e:
+                raise ModelLoadError(f"{q}experts.*.{name}: {e}") from None
         if m.shared_intermediate_size:
             out["shared"] = llama.mlp_params(lin, q + names.shared + ".")
         if m.shared_expert_gate:

@@ -12,6 +12,9 @@ Head counts: ``num_heads`` must be divisible by ``tp``. If ``num_kv_heads`` is n
 ``tp`` is a multiple of it (multi-query / few KV heads), each KV head is *replicated*
 ``tp // num_kv_heads`` times (as vLLM does), so every device holds the one KV head its
 query heads use; the KV cache then holds ``tp`` heads. Anything else is refused.
+
+Mixtures of experts: ``tp`` splits the experts, whole experts to each device (expert parallelism,
+:mod:`paged_jax.models.moe_experts`), so it must divide their number.
 """
 
 from __future__ import annotations
@@ -32,6 +35,9 @@ def check_tensor_parallel(config: ModelConfig, tp: int) -> tuple[ModelConfig, in
     if config.num_heads % tp:
         raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {config.num_heads} attention heads; "
                          f"use a divisor of {config.num_heads}")
+    if config.moe is not None and config.moe.num_experts % tp:
+        raise ValueError(f"tensor_parallel_size={tp} does not divide the model's {config.moe.num_experts} experts "
+                         f"(each device holds whole experts); use a divisor of {config.moe.num_experts}")
     if config.num_kv_heads % tp == 0:
         return config, 1
     if tp % config.num_kv_heads:

@@ -58,6 +58,21 @@ class HFTensor:
         start, stop, _ = key[1].indices(self.shape[1])
         return HFTensor(self.name, (self.shape[0], stop - start), True, self.first_row + start)
 
+    @staticmethod
+    def stacked(parts) -> "HFStack":  # how paged_jax.weights.stack_experts stacks abstract tensors
+        return HFStack(tuple(parts))
+
+
+@dataclasses.dataclass(frozen=True)
+class HFStack:
+    """A leaf of the abstract params: one :class:`HFTensor` per expert, stacked on a new leading axis."""
+
+    parts: tuple
+
+    @property
+    def shape(self) -> tuple:
+        return (len(self.parts), *self.parts[0].shape)
+
 
 def abstract_params(config: ModelConfig):
     hf = FAMILIES[config.family].hf_tensor_shapes(config)
@@ -126,17 +141,22 @@ def _load_safetensors(folder: Path, config, abstract, shardings):
             if got != tuple(shape):
                 raise ModelLoadError(f"{files[n]}: tensor {n!r} has shape {got}, config implies {tuple(shape)}")
 
-        def make(t: HFTensor, sharding):
+        def part(t: HFTensor, index: tuple):  # this device's slices of t, in paged-jax layout
             view = handles[files[t.name]].get_slice(t.name)
+            if t.transpose:  # 2-D: paged-jax [in, out] is the HF [out, in] transposed
+                inputs, outputs = index or (slice(None), slice(None))
+                start, stop, _ = outputs.indices(t.shape[1])  # this part's columns: HF rows from first_row
+                hf_rows = slice(t.first_row + start, t.first_row + stop)
+                return np.ascontiguousarray(view[hf_rows, inputs].T, dtype=dtype)
+            return np.ascontiguousarray(view[index] if index else view[:], dtype=dtype)
 
-            def read(index):  # index: this device's slices, in paged-jax layout
+        def make(t, sharding):
+            def read(index):
                 index = tuple(index)
-                if t.transpose:  # 2-D: paged-jax [in, out] is the HF [out, in] transposed
-                    inputs, outputs = index or (slice(None), slice(None))
-                    start, stop, _ = outputs.indices(t.shape[1])  # this part's columns: HF rows from first_row
-                    hf_rows = slice(t.first_row + start, t.first_row + stop)
-                    return np.ascontiguousarray(view[hf_rows, inputs].T, dtype=dtype)
-                return np.ascontiguousarray(view[index] if index else view[:], dtype=dtype)
+                if isinstance(t, HFStack):  # this device's experts, each read as its own tensor
+                    experts, rest = (index[0], index[1:]) if index else (slice(None), ())
+                    return np.stack([part(t.parts[e], rest) for e in range(len(t.parts))[experts]])
+                return part(t, index)
 
             return jax.make_array_from_callback(t.shape, sharding, read)
 

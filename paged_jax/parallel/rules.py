@@ -7,7 +7,8 @@ names the axis the ``tp`` mesh axis splits (``ROLE_AXIS``: ``"column"`` and ``"k
 features, ``"row"`` the input features, ``"vocab"`` an embedding's rows). So a column-parallel
 ``[in, out]`` weight is ``P(None, "tp")`` and its bias ``P("tp")``; a row-parallel one
 ``P("tp", None)`` with its bias replicated (added once, after XLA's all-reduce of the partial
-sums); no role, and every plain array (norms, learned positions), is replicated. A new weight
+sums); ``"expert"`` the leading axis of every array of a stack of experts (whole experts to each
+device); no role, and every plain array (norms, learned positions), is replicated. A new weight
 class is sharded by its declaration, with nothing to add here.
 
 A dimension that the mesh axis does not divide (e.g. a vocabulary of 517 over 4 devices)
@@ -40,17 +41,22 @@ def weight_specs(weight, tp: int, replicate_kv: bool = False):
     each array field: ``tp`` on the dimensions its class declares as the role's axis. ``replicate_kv``:
     ``"kv"`` weights load replicated (their heads are repeated afterwards,
     ``paged_jax.parallel.checkpoint.replicate_kv_heads``)."""
-    from paged_jax.weights import ROLE_AXIS
+    import jax
+
+    from paged_jax.weights import ROLE_AXIS, is_weight
 
     role = None if replicate_kv and weight.parallel == "kv" else weight.parallel
     split = ROLE_AXIS.get(role)
     out = {}
     for f in dataclasses.fields(weight):
         x = getattr(weight, f.name)
+        axes = type(weight).AXES.get(f.name, ())
+        spec = P(*(AXIS if a == split else None for a in axes)) if split in axes else REPLICATED
         if hasattr(x, "shape"):
-            axes = type(weight).AXES.get(f.name, ())
-            spec = P(*(AXIS if a == split else None for a in axes)) if split in axes else REPLICATED
             out[f.name] = fit(spec, tuple(x.shape), tp)
+        elif is_weight(x):  # a weight inside (a stack of experts): the axes name its arrays' leading dims
+            out[f.name] = jax.tree.map(lambda a: fit(P(*spec, *[None] * (len(a.shape) - len(spec))), tuple(a.shape),
+                                                     tp), x)
     return dataclasses.replace(weight, **out)
 
 

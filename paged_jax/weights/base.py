@@ -6,8 +6,9 @@ whatever the storage is. A weight class (``@weight_class``) lists
 
 - ``STATIC``: its layout facts, static in the pytree (the other fields are its arrays);
 - ``AXES``: for each array field that may be split, what each of its dimensions is: ``"in"``
-  (input features), ``"out"`` (output features), ``"vocab"`` (an embedding's rows) or None.
-  Fields it does not name are replicated.
+  (input features), ``"out"`` (output features), ``"vocab"`` (an embedding's rows), ``"expert"``
+  (a stack of experts) or None. For a field holding another weight object, the names are those of
+  the leading dimensions of each of its arrays. Fields it does not name are replicated.
 
 The family chooses each weight's ``parallel`` role when it builds the params, and the role
 says which axis the ``tp`` mesh axis splits (:data:`ROLE_AXIS`, read by
@@ -18,6 +19,8 @@ says which axis the ``tp`` mesh axis splits (:data:`ROLE_AXIS`, read by
 - ``"row"``: the input features (attention output, down, fc2); a bias, whose axis is ``"out"``,
   stays whole and is added once after the all-reduce;
 - ``"vocab"``: an embedding table's vocabulary rows;
+- ``"expert"``: a mixture's stacked experts, whole experts to each device (expert parallelism,
+  :mod:`paged_jax.parallel.experts`);
 - ``None``: replicated.
 """
 
@@ -27,9 +30,9 @@ import dataclasses
 
 import jax
 
-PARALLEL_ROLES = (None, "column", "kv", "row", "vocab")
-ROLE_AXIS = {"column": "out", "kv": "out", "row": "in", "vocab": "vocab"}
-AXIS_NAMES = (None, "in", "out", "vocab")
+PARALLEL_ROLES = (None, "column", "kv", "row", "vocab", "expert")
+ROLE_AXIS = {"column": "out", "kv": "out", "row": "in", "vocab": "vocab", "expert": "expert"}
+AXIS_NAMES = (None, "in", "out", "vocab", "expert")
 
 WEIGHT_TYPES: tuple = ()  # every class made with @weight_class, in the order they were defined
 
