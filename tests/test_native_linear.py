@@ -217,6 +217,8 @@ def test_avx2_paths_without_avx512(tmp_path_factory):
     assert [paths["linear float32"], paths["linear quantized"], paths["linear int8 x int8"]] == \
         ["avx2" if avx2 else "portable"] * 3
     assert out["packs_weights"] is False  # the AVX2 tiles lose to XLA's at batch 8 (bench_isa_decode.py)
+    # quantized steps past so many rows go to XLA's dequantize-then-matmul there
+    assert out["status"]["quantized_native_rows"] == native.QUANTIZED_NATIVE_ROWS
 
 
 @needs_native
@@ -246,6 +248,8 @@ def test_isa_paths_where_the_cpu_has_them(monkeypatch, tiny_llama_dir):
     assert native.paths() == {"attention": "avx512" if has else "portable", "linear float32": linear,
                               "linear quantized": linear, "linear int8 x int8": int8}
     assert native.packs_weights() == (linear == "avx512")
+    assert set(native.status()["quantized_native_rows"].values()) == ({None} if linear == "avx512" else
+                                                                      set(native.QUANTIZED_NATIVE_ROWS.values()))
     monkeypatch.setitem(native._state, "linear_isa", 0)  # as on a CPU with neither
     cfg, params, _ = load_for_serving(str(tiny_llama_dir), "float32", 1)
     runner = ModelRunner(cfg, params, 4, 8, 0)
@@ -371,6 +375,36 @@ def test_pack_params_packs_the_quantized_weights_the_kernel_takes_and_leaves_the
     x = jnp.asarray(rng.standard_normal((3, 64)).astype(np.float32))
     for k in "abde":
         np.testing.assert_allclose(np.asarray(packed[k](x)), np.asarray(weights[k](x)), rtol=1e-5, atol=1e-4)
+
+
+@needs_native
+@pytest.mark.parametrize("fmt,limit", [("int8", 16), ("int4", 64), ("fp8", 32)])
+def test_quantized_steps_past_the_row_limit_run_xla_without_avx512(monkeypatch, fmt, limit):
+    """Without AVX-512 (a build's linear path, set here as an AVX2 build reports it) a quantized
+    layer gives the native kernel steps of up to its format's row limit and XLA's dequantize-then-
+    matmul the longer ones; with AVX-512, the kernel at every row count. Both equal numpy's product."""
+    from paged_jax.weights import QuantizedLinear
+
+    rng = np.random.default_rng(limit)
+    if fmt == "fp8":
+        values = jnp.asarray(rng.standard_normal((64, 48)) * 8, dtype=jnp.float8_e4m3fn)
+        scale = rng.uniform(0.01, 0.1, (2, 48)).astype(np.float32)
+        p = QuantizedLinear(values, jnp.asarray(scale), in_features_=64)
+        w = np.asarray(values, np.float64) * np.repeat(scale, 32, axis=0)
+    else:
+        p, w = _quantized(rng, 64, 48, 8 if fmt == "int8" else 4, 2, zero=True)
+    packed = to_panels({"w": p})["w"]
+    for isa, kernel_rows in ((1, [1, limit]), (2, [1, limit, limit + 1, 200])):
+        monkeypatch.setitem(native._state, "linear_isa", isa)
+        for M in (1, limit, limit + 1, 200):
+            x = rng.standard_normal((M, 64)).astype(np.float32)
+            text = jax.jit(packed.__call__).lower(jnp.asarray(x)).as_text()
+            kernel = native.QUANTIZED_TARGETS[packed.panels.dtype.name][0]
+            assert (kernel in text) == (M in kernel_rows), (isa, M)
+            np.testing.assert_allclose(np.asarray(jax.jit(packed.__call__)(jnp.asarray(x))), x.astype(np.float64) @ w,
+                                       rtol=1e-5, atol=1e-5 * np.sqrt(64))
+    monkeypatch.setitem(native._state, "linear_isa", 1)
+    assert native.status()["quantized_native_rows"] == {"int8": 16, "float8_e4m3fn": 32, "uint8": 64}
 
 
 def _w8a8(rng, K, N, per_tensor=False):

@@ -19,7 +19,8 @@ the panels ahead of use (``tests/test_native_linear.py``; ``experiments/roofline
 the step with and without). Quantized weights (int8, int4 packed two to a byte, or fp8 e4m3,
 with scales and optional zero points per column or block and per group of rows, in activation
 order or not) are multiplied by :func:`linear_quantized`, which reads the quantized panels and turns them into float32 on
-the way. W8A8 (int8 activations per token, int8 weights per column) is an integer matmul,
+the way; without AVX-512, a step with more rows than :func:`quantized_native_rows` (a long prefill
+chunk) has XLA dequantize the panels and run its matmul instead, the faster there. W8A8 (int8 activations per token, int8 weights per column) is an integer matmul,
 :func:`linear_int8`, where the library was built with AVX-512 VNNI or AVX2. Which weights are stored
 this way, and when, is :mod:`paged_jax.weights.panels`' and :func:`paged_jax.weights.prepare`'s
 business: this package is the build (:mod:`~paged_jax.native.build`), the FFI calls
@@ -40,13 +41,14 @@ weights, jnp decode attention). ``PAGED_JAX_NATIVE=0`` turns the kernels off.
 
 from paged_jax.native.attention import paged_attention, paged_decode
 from paged_jax.native.build import (CPU_ISA, INT8_TARGET, KERNELS, LINEAR_TARGET, PANEL_WIDTHS, QUANTIZED_ATTENTION_TARGETS,
-                                    QUANTIZED_TARGETS, SUM_TARGET, TARGETS, available, cpu_isa, loaded,
-                                    packs_weights, paths, status)
+                                    QUANTIZED_NATIVE_ROWS, QUANTIZED_TARGETS, SUM_TARGET, TARGETS, available, cpu_isa,
+                                    loaded, packs_weights, paths, quantized_native_rows, status)
 from paged_jax.native.build import _state  # noqa: F401  (the build's record; tests read it)
 from paged_jax.native.linear import (linear, linear_int8, linear_quantized, pack_padded, pack_weight, panel_width,
                                      read_sum, unpack_weight)
 
 __all__ = ["available", "loaded", "status", "paths", "cpu_isa", "paged_attention", "paged_decode", "packs_weights",
+           "quantized_native_rows", "QUANTIZED_NATIVE_ROWS",
            "panel_width", "pack_weight", "unpack_weight", "pack_padded", "linear", "linear_quantized", "linear_int8",
            "read_sum", "CPU_ISA", "KERNELS", "TARGETS", "QUANTIZED_ATTENTION_TARGETS", "LINEAR_TARGET", "SUM_TARGET",
            "QUANTIZED_TARGETS", "INT8_TARGET", "PANEL_WIDTHS"]

@@ -136,10 +136,13 @@ def available() -> bool:
 def status() -> dict:
     """{"ok": ..., "library" or "error": ...} after :func:`available` was asked; once built, also
     "flags" (the compiler's), "paths" (:func:`paths`), "traced" (the kernels this process has put
-    into a computation, sorted) and "cpu_isa" (:func:`cpu_isa`)."""
+    into a computation, sorted), "cpu_isa" (:func:`cpu_isa`) and "quantized_native_rows" (by the
+    quantized values' dtype, :func:`quantized_native_rows`: the most rows a step's quantized matmul
+    gives the native kernel, None for all)."""
     out = dict(_state)
     if out.get("ok"):
-        out.update(paths=paths(), traced=sorted(_traced), cpu_isa=cpu_isa())
+        out.update(paths=paths(), traced=sorted(_traced), cpu_isa=cpu_isa(),
+                   quantized_native_rows={d: quantized_native_rows(d) for d in QUANTIZED_NATIVE_ROWS})
     return out
 
 
@@ -168,6 +171,26 @@ def loaded() -> bool:
     """Whether the library was built and its kernels registered in this process (by :func:`available`).
     The FFI wrappers call the kernels only then; otherwise they compute the same function in XLA."""
     return bool(_state.get("ok"))
+
+
+# Rows of x per step up to which the quantized matmuls run the native kernel; past them, XLA
+# dequantizes the same panels to float32 and runs its own matmul, which is then the faster (the
+# dequantizing pass is paid once per step, not per row). By the values' dtype, on builds without
+# AVX-512 (AVX2 tiles or portable loops); with AVX-512 the native kernel was the faster at every
+# row count measured (up to 256). Measured per layer matmul of a LLaMA 512 wide at 1-256 rows on
+# an AMD EPYC with AVX-512 turned off (-mno-avx512f; XLA held to AVX2): native int8 ahead up to
+# 16 rows and behind from 32 (1.1x at 32, 1.5x at 128), fp8 ahead to 32 and even at 64, int4
+# ahead to 64 and even at 128 (1.2x behind at 192).
+QUANTIZED_NATIVE_ROWS = {"int8": 16, "float8_e4m3fn": 32, "uint8": 64}
+
+
+def quantized_native_rows(dtype: str):
+    """The most rows of x a step's quantized matmul (panels of ``dtype``: "int8", "uint8" for
+    int4, "float8_e4m3fn") runs through the native kernel, XLA's dequantize-then-dot above; None:
+    the native kernel at every row count (AVX-512 builds, or before a build)."""
+    if _state.get("linear_isa", 2) == 2:
+        return None
+    return QUANTIZED_NATIVE_ROWS[dtype]
 
 
 def packs_weights() -> bool:

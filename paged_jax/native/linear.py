@@ -57,10 +57,11 @@ def linear(x, w_panels) -> "jax.Array":
     return y.reshape(*lead, P * W)
 
 
-def linear_quantized(x, panels, scale_panels, bits: int, zero_panels=None) -> "jax.Array":
+def linear_quantized(x, panels, scale_panels, bits: int, zero_panels=None, *, xla: bool = False) -> "jax.Array":
     """``x @ w`` for the weight held as :func:`pack_quantized` panels (rows already in the panels'
     order; int8, int4 two to a byte, or fp8 e4m3, by the panels' dtype): the native kernel for
-    float32 on a CPU once the kernels are registered, else XLA on the dequantized weight."""
+    float32 on a CPU once the kernels are registered, else (or with ``xla``: a step with more rows
+    than :func:`~paged_jax.native.build.quantized_native_rows`) XLA on the dequantized weight."""
     import jax
     import jax.numpy as jnp
 
@@ -71,7 +72,7 @@ def linear_quantized(x, panels, scale_panels, bits: int, zero_panels=None) -> "j
             zero_panels is not None and zero_panels.shape != (P, G, W):
         raise ValueError(f"linear_quantized: x {x.shape}, panels {panels.shape}, scales {scale_panels.shape}, "
                          f"zeros {None if zero_panels is None else zero_panels.shape} do not fit {bits}-bit values")
-    if x.dtype != jnp.float32 or jax.default_backend() != "cpu" or not build.loaded():
+    if xla or x.dtype != jnp.float32 or jax.default_backend() != "cpu" or not build.loaded():
         q = unpack_weight(panels)
         if bits == 4:
             q = jnp.stack([q & 0xF, q >> 4], axis=1).reshape(K, -1).astype(jnp.int8) - 8

@@ -10,6 +10,7 @@ no sharded axes); :func:`paged_jax.weights.prepare` decides when.
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 import jax.numpy as jnp
@@ -48,7 +49,9 @@ class PanelLinear:
 class PanelQuantizedLinear:
     """The same function as a :class:`QuantizedLinear` of int8, int4 or fp8 values with scales (and
     zero points) per column and group of rows, stored as column panels for the native CPU matmul
-    (:func:`pack_quantized` makes it): values ``[P, in, W]`` int8 or float8, or
+    (:func:`pack_quantized` makes it; a step with more rows than
+    :func:`~paged_jax.native.quantized_native_rows` runs XLA's dequantize-then-matmul on them
+    instead, the faster there): values ``[P, in, W]`` int8 or float8, or
     ``[P, in / 2, W]`` uint8, scales ``[P, groups, W]`` float32, zeros the same or None; columns
     past ``out_features`` are padding and are cut off. ``order``: for a weight in activation
     order, the original row of each packed row (its groups made contiguous): the input's
@@ -76,7 +79,10 @@ class PanelQuantizedLinear:
             x = rounded_activations(x, self.act)
         if self.order is not None:
             x = jnp.take(x, self.order, axis=-1)
-        y = native.linear_quantized(x, self.panels, self.scales, self.bits, self.zeros)
+        # past so many rows (a long prefill chunk) XLA's dequantize-then-matmul is the faster, on some builds
+        limit = native.quantized_native_rows(self.panels.dtype.name)
+        y = native.linear_quantized(x, self.panels, self.scales, self.bits, self.zeros,
+                                    xla=limit is not None and math.prod(x.shape[:-1]) > limit)
         if y.shape[-1] != self.out_features:
             y = y[..., :self.out_features]
         y = y.astype(dtype)
