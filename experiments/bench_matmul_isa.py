@@ -1,13 +1,14 @@
 """The native matmuls against XLA's, per instruction set the library is built for, side by side in one run.
 
-    python experiments/bench_matmul_isa.py [--rows 1 8 32] [--repeats 7]
+    python experiments/bench_matmul_isa.py [--rows 1 8 32 128] [--repeats 7]
 
 For each build (default flags: -march=native; ``-mno-avx512f``: this CPU's AVX2 + FMA3 paths; and
 ``-mno-avx512f -mno-avx2 -mno-fma``: the portable loops), in its own process (the paths are fixed
 when the library is compiled) and alternating the builds round by round: microseconds per call of
 the layer matmuls of a LLaMA 512 wide (intermediate 1,408: q/k/v/o, gate+up, down, summed) at each
 row count, for XLA's float32 dot, the native float32 panels, int8, int4 (groups of 32) and
-W8A8 weights; the fastest of ``--repeats`` rounds of 20 calls, the kinds
+W8A8 weights (the quantized ones as the engine runs them: on builds without AVX-512, XLA's
+dequantize-then-matmul past ``native.quantized_native_rows``); the fastest of ``--repeats`` rounds of 20 calls, the kinds
 interleaved in each round and the builds run ``--rounds`` times in turn. Prints each one's ratio to XLA's
 float32 dot in the same process (XLA's generated code held to the same instruction set with
 ``--xla_cpu_max_isa``). On an AVX-512 machine the AVX2 rows are that machine with AVX-512 turned
@@ -73,7 +74,7 @@ print(json.dumps({"times": out, "paths": native.paths()}))
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--rows", type=int, nargs="+", default=[1, 8, 32, 128])
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--rounds", type=int, default=2, help="rounds of the builds in turn, the fastest kept")
     ap.add_argument("--builds", nargs="+", default=list(BUILDS), choices=list(BUILDS))
