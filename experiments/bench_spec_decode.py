@@ -74,6 +74,9 @@ def main(argv=None) -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workloads", default="complete,edit", help="complete and/or edit (see code_prompts)")
+    ap.add_argument("--disable-by-batch-size", default="default",
+                    help="the n-gram configurations' disable_by_batch_size: a number, 'none' (speculate at every "
+                         "batch size) or 'default' (the engine's default)")
     a = ap.parse_args(argv)
 
     from paged_jax import LLM, SamplingParams
@@ -85,6 +88,9 @@ def main(argv=None) -> None:
     for k in ks:
         configs[f"ngram k={k}"] = {"method": "ngram", "num_speculative_tokens": k,
                                    "prompt_lookup_min": a.lookup_min, "prompt_lookup_max": a.lookup_max}
+        if a.disable_by_batch_size != "default":
+            off = a.disable_by_batch_size
+            configs[f"ngram k={k}"]["disable_by_batch_size"] = None if off == "none" else int(off)
     engines = {name: LLM(max_model_len=1024, max_num_seqs=max(batches), num_kv_blocks=64 * max(batches) + 1,
                          speculative_config=spec) for name, spec in configs.items()}
     print(f"{a.prompts} code prompts ({a.prompt_chars} characters of held-out standard-library files), "

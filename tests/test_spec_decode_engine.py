@@ -10,7 +10,9 @@ import pytest
 from paged_jax import LLM, SamplingParams
 from paged_jax.engine_args import EngineArgs
 
-SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+# Speculating at every batch size (the default turns it off for steps of 8 sequences or more).
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1,
+        "disable_by_batch_size": None}
 PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport sys\n\n\ndef main():\n",
            "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n",
            "for i in range(10):\n    print(i)\nfor i in range(10):\n"]
@@ -124,6 +126,18 @@ def test_config_defaults_follow_vllm():
     c = EngineArgs(speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                        "prompt_lookup_max": 4}).speculative_config
     assert (c.prompt_lookup_min, c.prompt_lookup_max) == (4, 4)
+
+
+
+def test_speculation_is_off_from_a_measured_batch_size_unless_asked_otherwise():
+    from paged_jax.spec_decode.config import DEFAULT_DISABLE_BY_BATCH_SIZE
+
+    spec = {"method": "ngram", "num_speculative_tokens": 3}
+    assert EngineArgs(speculative_config=spec).speculative_config.disable_by_batch_size == DEFAULT_DISABLE_BY_BATCH_SIZE
+    assert EngineArgs(speculative_config={**spec, "disable_by_batch_size": None}).speculative_config \
+        .disable_by_batch_size is None
+    assert EngineArgs(speculative_config={**spec, "disable_by_batch_size": 3}).speculative_config \
+        .disable_by_batch_size == 3
 
 
 @pytest.mark.slow

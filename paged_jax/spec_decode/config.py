@@ -6,6 +6,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 METHODS = ("ngram",)
+# disable_by_batch_size when the dict does not give it: a verification step's cost grows with its rows'
+# tokens (k + 1 each), and on the default model (experiments/bench_spec_decode.py, README) n-gram drafts
+# paid at batch 1 and 4 and lost from batch 8 on. An explicit None speculates at every batch size (vLLM's).
+DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
          "model")
 
@@ -18,13 +22,13 @@ class SpeculativeConfig:
     ``num_speculative_tokens`` a step, from suffixes of ``prompt_lookup_min`` to
     ``prompt_lookup_max`` tokens (vLLM's defaults: both 5 when neither is given, otherwise the
     missing one equals the given one). ``disable_by_batch_size``: no speculation in a step that runs
-    at least that many sequences (None: always on)."""
+    at least that many sequences (None: always on; not given: :data:`DEFAULT_DISABLE_BY_BATCH_SIZE`)."""
 
     method: str
     num_speculative_tokens: int
     prompt_lookup_max: int
     prompt_lookup_min: int
-    disable_by_batch_size: Optional[int] = None
+    disable_by_batch_size: Optional[int] = DEFAULT_DISABLE_BY_BATCH_SIZE
 
     @classmethod
     def from_dict(cls, config: Any) -> "SpeculativeConfig":
@@ -56,7 +60,7 @@ class SpeculativeConfig:
                 raise ValueError(f"speculative_config['{name}'] must be an integer >= 1, got {v!r}")
         if lo > hi:
             raise ValueError(f"speculative_config: prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
-        off = config.get("disable_by_batch_size")
+        off = config.get("disable_by_batch_size", DEFAULT_DISABLE_BY_BATCH_SIZE)
         if off is not None and (not _is_int(off) or off < 2):
             raise ValueError(f"speculative_config['disable_by_batch_size'] must be None or an integer >= 2, "
                              f"got {off!r}")
