@@ -19,11 +19,12 @@ Each engine is warmed up first (``warm_up``: step shapes compiled; with a target
 calibrated); the scenario runs once (``--runs``), and the compilations during it are counted. Printed per
 configuration: the streams' p50 / p99 / max gap while the long prompts prefill (from their arrival to the
 last one's first token; in ms and over the target), each long prompt's time to first token, the short
-prompts' p50 / p99 time to first token (from their arrival) and over a short prompt's time alone (the
+prompts' p50 / p99 time to first token (from their arrival; those still waiting when the window ends
+run on to their first token) and over a short prompt's time alone (the
 median of three alone on the engine with the default budget, 256), the tokens computed per second over that window, the cost
 model's median prediction error. ``--figure`` (default ``experiments/figures/itl_target.png``) draws the
 longest prompt's time to first token against the p99 gap: fixed budgets as a curve, targets as points;
-the rows go to the ``.json`` beside it. ``--quick``: a tiny model and short prompts (a smoke test).
+the rows go to the ``.json`` beside it. Engines hold at most ``--max-num-seqs`` (64) sequences. ``--quick``: a tiny model and short prompts (a smoke test).
 """
 
 from __future__ import annotations
@@ -43,13 +44,14 @@ QUICK = dict(model=dict(family="gpt2", vocab_size=256, n_embd=64, n_layer=2, n_h
              budgets=[64, 512], multiples=[5], fcfs_multiple=None, before_steps=4, short_every=0.05, short_max=64)
 
 
-def scenario(engine, a, rng, tag: str) -> dict:
-    """Streams decode, the long prompts arrive, short ones follow; returns gaps, first-token times, tokens."""
+def scenario(engine, a, rng, tag: str, clock=time.perf_counter) -> dict:
+    """Streams decode, the long prompts arrive, short ones follow; returns gaps, first-token times, tokens.
+    ``clock``: seconds (the simulator's clock in ``notebooks/latency_target.ipynb``)."""
     import numpy as np
 
     from paged_jax import SamplingParams
 
-    vocab = engine.model_config.vocab_size
+    vocab = engine.vocab_size
     greedy = dict(temperature=0, ignore_eos=True)
     stream_ids = [f"{tag}-s{i}" for i in range(a.streams)]
     for rid in stream_ids:
@@ -60,7 +62,7 @@ def scenario(engine, a, rng, tag: str) -> dict:
     t_add = next_short = None
     steps0 = gen0 = None
     while True:
-        now = time.perf_counter()
+        now = clock()
         if phase == "start" and all(counts[r] >= 2 for r in stream_ids):
             phase = "before"
         if phase == "before" and before_left == 0:
@@ -75,9 +77,9 @@ def scenario(engine, a, rng, tag: str) -> dict:
             engine.add_request(rid, None, SamplingParams(max_tokens=8, **greedy), prompt)
             arrival[rid], next_short = next_short, next_short + a.short_every
             shorts.append((rid, len(prompt)))
-        t0 = time.perf_counter()
+        t0 = clock()
         outs = engine.step()
-        t1 = time.perf_counter()
+        t1 = clock()
         if phase == "before":
             decode_steps.append(t1 - t0)
             before_left -= 1
@@ -91,21 +93,25 @@ def scenario(engine, a, rng, tag: str) -> dict:
             elif o.request_id in arrival and n and o.request_id not in first:
                 first[o.request_id] = t1 - arrival[o.request_id]
         if phase == "during" and all(rid in first for rid in longs):
+            # The window ends: the streams' gaps and the throughput are measured up to here; the short
+            # prompts that arrived keep running to their first tokens (no more arrive).
+            window, phase = clock() - t_add, "after"
+            served_in_window = [n for rid, n in shorts if rid in first]
+            tokens = sum(map(len, longs.values())) + sum(served_in_window) + engine.num_generated_tokens - gen0
+            window_steps = engine.num_steps - steps0
+        if phase == "after" and all(rid in first for rid, _ in shorts):
             break
-    window = time.perf_counter() - t_add
-    done_shorts = [(rid, n) for rid, n in shorts if rid in first]
-    # Tokens computed in the window: the long prompts, the short ones that got their first token, every
-    # token generated (streams and short prompts).
-    tokens = sum(map(len, longs.values())) + sum(n for _, n in done_shorts) + engine.num_generated_tokens - gen0
     engine.abort_request(stream_ids + [rid for rid, _ in shorts])
     while engine.has_unfinished_requests():
         engine.step()
-    short_ttft = [first[rid] for rid, _ in done_shorts]
+    short_ttft = [first[rid] for rid, _ in shorts]
+    # Tokens/s over the window: the long prompts, the short ones that got their first token in it, every
+    # token generated (streams and short prompts).
     return dict(decode_step_s=float(np.median(decode_steps)), gaps_s=[float(np.percentile(gaps, q)) for q in (50, 99)],
                 max_gap_s=max(gaps), long_ttft_s={n: first[rid] for n, rid in zip(a.long, longs)},
                 short_ttft_s=[float(np.percentile(short_ttft, q)) for q in (50, 99)] if short_ttft else None,
-                num_shorts=len(shorts), num_shorts_served=len(done_shorts), window_s=window,
-                tokens_per_s=tokens / window, steps=engine.num_steps - steps0)
+                num_shorts=len(shorts), num_shorts_in_window=len(served_in_window), window_s=window,
+                tokens_per_s=tokens / window, steps=window_steps)
 
 
 def short_alone(engine, a, rng) -> float:
@@ -147,13 +153,16 @@ def run(a) -> list[dict]:
         for cfg in configs(a):
             target = None if cfg["multiple"] is None else round(cfg["multiple"] * decode_ms, 2)
             engine = LLMEngine(EngineArgs(model=model, max_model_len=max_len, max_num_batched_tokens=cfg["budget"],
-                                          target_itl_ms=target, scheduling_policy=cfg["policy"]))
+                                          max_num_seqs=a.max_num_seqs, target_itl_ms=target,
+                                          scheduling_policy=cfg["policy"]))
+            t0 = time.perf_counter()
             if a.warm_up:
                 engine.warm_up(progress=False)
             else:
                 from paged_jax.step_cost import calibrate
 
                 calibrate(engine)
+            print(f"{cfg}: warmed up in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
             rng = np.random.default_rng(0)
             for rep in range(a.runs):
                 before = engine.runner.num_compilations
@@ -188,7 +197,7 @@ def report(rows: list[dict], a) -> str:
              f"{alone:.2f} s.", "",
              "| mode | policy | target (ms) | gap p50 / p99 / max (ms) | p99 / target | max / target | "
              + " | ".join(f"TTFT {n:,} (s)" for n in a.long)
-             + " | short TTFT p50 / p99 (s) | short p99 / alone | shorts served | tokens/s | steps "
+             + " | short TTFT p50 / p99 (s) | short p99 / alone | shorts served in the window | tokens/s | steps "
              "| prediction error | compiles |", "|---|---|---:|---:|---:|---:|" + "---:|" * len(a.long) + "---:|" * 7]
     for r in rows:
         mode = f"budget {r['budget']}" if r["mode"] == "budget" else f"target {r['multiple']:g}x decode step"
@@ -201,7 +210,7 @@ def report(rows: list[dict], a) -> str:
             f"{1e3 * r['gaps_s'][1]:.1f} / {1e3 * r['max_gap_s']:.1f} | {over[0]} | {over[1]} | "
             + " | ".join(f"{r['long_ttft_s'][n]:.2f}" for n in a.long)
             + (f" | {short[0]:.2f} / {short[1]:.2f} | {short[1] / alone:.1f}x" if short else " | - | -")
-            + f" | {r['num_shorts_served']}/{r['num_shorts']} | {r['tokens_per_s']:,.0f} | {r['steps']} | {err} "
+            + f" | {r['num_shorts_in_window']}/{r['num_shorts']} | {r['tokens_per_s']:,.0f} | {r['steps']} | {err} "
             f"| {r['compiled']} |")
     lines.append(f"\nFigure: {a.figure} (time to first token of the {longest:,}-token prompt against the streams' "
                  "p99 gap).")
@@ -247,6 +256,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--long", type=int, nargs="+", default=[4000, 16000], help="the long prompts' tokens")
     ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="the engines' (fewer step shapes to compile)")
     ap.add_argument("--budgets", type=int, nargs="*", default=[64, 128, 256, 512, 1024, 2048, 4096])
     ap.add_argument("--multiples", type=float, nargs="*", default=[2, 5, 25],
                     help="targets as multiples of the measured decode step")
