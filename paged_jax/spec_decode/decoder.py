@@ -23,7 +23,8 @@ from ``p`` with ``x`` removed and renormalised. Drawing ``y ~ p`` and accepting 
 that rule: ``P(accept) = p(x)``, and given a rejection ``y`` follows ``p(. | y != x)``; the emitted
 token follows ``p``. Because ``y`` is drawn with the key plain decoding uses at that position, a
 seeded request gives the same tokens with or without speculation. (A draft *model* proposes from
-its own distribution ``q``: it needs the general rule, with ``q`` carried across the border.)
+its own distribution ``q``: it needs the general rule, :mod:`.rejection`, with ``q`` carried across
+the border.)
 """
 
 from __future__ import annotations
