@@ -250,6 +250,12 @@ def quantize_ct(src: Path, scheme: str, out: Path, ignore=("lm_head",), **weight
 def ct_dequantized_model(path):
     """The float model compressed-tensors' own decompressors make of a quantized folder (weights
     dequantized; activations not quantized): what the numpy oracle (tests/ct_numpy.py) is checked against."""
+    return float_model(path, ct_decompressed_tensors(path))
+
+
+def ct_decompressed_tensors(path) -> dict:
+    """Every tensor of a quantized folder, name -> torch tensor, the quantized weights as
+    compressed-tensors' own decompressors give them (float)."""
     import json
     from collections import defaultdict
 
@@ -271,7 +277,7 @@ def ct_dequantized_model(path):
     decompressor = BaseCompressor.load_from_registry(scheme.format or qc.format)
     for module, tensors in modules.items():
         floats[module + ".weight"] = decompressor.decompress(tensors, scheme)["weight"].float()
-    return float_model(path, floats)
+    return floats
 
 
 def float_model(path, floats):

@@ -119,12 +119,13 @@ def test_step_communicates_like_megatron(tp_runs, variant):
     assert [s.split("{")[0] for s in coll.get("all-gather", [])] == ["f32[2,512]"], coll  # [rows, vocab]
 
 
-def transformers_greedy(path, prompts, max_tokens) -> list:
+def transformers_greedy(model, prompts, max_tokens) -> list:
+    """Each prompt's greedy tokens by transformers' ``generate`` (``model``: a folder or a loaded model)."""
     import torch
 
     from tests.hf_models import load_hf
 
-    hf = load_hf(path)
+    hf = load_hf(model) if isinstance(model, (str, Path)) else model
     with torch.no_grad():
         return [hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
                             do_sample=False, max_new_tokens=max_tokens, min_new_tokens=max_tokens,
