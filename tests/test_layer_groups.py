@@ -137,3 +137,54 @@ def test_simulated_pool_per_kind_holds_the_window_and_more_sequences():
     # step while requests wait; the windowed groups hold 5 pages of 32, the bound is 1 / (1/6 + 5/6 x 5/32))
     one, grouped = bench.run(mc, a, False, 4, 16), bench.run(mc, a, True, 4, 16)
     assert grouped["mean_saturated"] > 2.5 * one["mean_saturated"] and grouped["peak_running"] >= 3 * 4
+
+
+def _run_engine(path, requests, **kwargs) -> tuple[dict, "LLMEngine"]:
+    """Run ``requests`` ({id: (prompt ids, SamplingParams)}) to the end, the block manager's
+    invariants checked after every step; returns {id: the output token ids of each sample} and the engine."""
+    from paged_jax.engine import LLMEngine
+    from paged_jax.engine_args import EngineArgs
+
+    engine = LLMEngine(EngineArgs(model=str(path), block_size=4, max_model_len=96, **kwargs))
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, None, params, prompt_token_ids=prompt)
+    outs, freed = {}, False
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outs[out.request_id] = [list(c.token_ids) for c in out.outputs]
+        engine.block_manager.check_invariants()
+        bm = engine.block_manager
+        freed |= isinstance(bm, HybridBlockManager) and any(
+            bm.get_num_freed_blocks(s, 0) for g in engine.scheduler.running for s in g.seqs if bm.has_seq(s))
+    assert engine.block_manager.get_num_free_gpu_blocks() == engine.block_manager.gpu_allocator.num_total_blocks
+    engine.freed_windowed_blocks = freed
+    return outs, engine
+
+
+@pytest.mark.slow  # about 60 s alone: three engines compile the tiny Gemma 3
+def test_gemma3_groups_under_preemption_prefix_caching_sampling_beams_and_speculation(gemma3):
+    """Prompts sharing a prefix, greedy, seeded n = 2 sampling and beam search, in a pool of pages that
+    preempts (swap, then recompute) with prefix caching, and with n-gram speculation: each request's
+    tokens equal those of one pool keeping every block in a pool that never preempts."""
+    from paged_jax import SamplingParams
+
+    path, hf = gemma3
+    rng = np.random.default_rng(5)
+    prefix = rng.integers(3, hf.config.vocab_size, size=12).tolist()
+    prompts = [prefix + rng.integers(3, hf.config.vocab_size, size=n).tolist() for n in (2, 9, 17, 25, 30)]
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    requests = {f"g{i}": (p, greedy) for i, p in enumerate(prompts)}
+    requests["s"] = (prompts[1], SamplingParams(n=2, temperature=0.8, seed=11, max_tokens=40, ignore_eos=True))
+    beams = {"b": (prompts[2], SamplingParams(use_beam_search=True, best_of=2, n=2, temperature=0, max_tokens=12,
+                                              ignore_eos=True))}
+    want, one = _run_engine(path, {**requests, **beams}, free_blocks_outside_window=False, max_num_seqs=16)
+    assert not isinstance(one.block_manager, HybridBlockManager)
+    got, swap = _run_engine(path, {**requests, **beams}, num_kv_blocks=160, preemption_mode="swap",
+                            enable_prefix_caching=True, max_num_seqs=16)
+    assert got == want and sum(swap.scheduler.num_preemptions.values()) > 0 and swap.freed_windowed_blocks
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 2, "prompt_lookup_min": 1}
+    got, rec = _run_engine(path, requests, num_kv_blocks=100, preemption_mode="recompute",
+                           enable_prefix_caching=True, max_num_seqs=16, speculative_config=spec)
+    assert got == {k: v for k, v in want.items() if k in requests}
+    assert rec.scheduler.num_preemptions["recompute"] > 0 and rec.freed_windowed_blocks

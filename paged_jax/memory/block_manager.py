@@ -25,12 +25,12 @@ hold (``seq.get_len()`` at the last ``allocate`` / ``append_slot``). Invariants
 - A sequence only writes into a block with reference count 1: ``append_slot``
   copies a shared partly filled last block first (copy-on-write).
 - Only blocks whose K/V are computed are findable by prefix lookup.
-- With a sliding window on every layer (``sliding_window``), a table's leading entries
-  wholly outside the window of every token still to compute are *freed*: they hold no
-  block and no reference (the null block on the device, so block indices and the layout
-  attention reads are unchanged; the window masks those positions). Freed entries are
-  only leading ones, and only blocks whose every token is at least ``sliding_window``
-  behind the table's newest token. A decoding sequence then holds at most
+- With a sliding window on every layer (of the layer group: ``hybrid_block_manager``),
+  ``sliding_window``, a table's leading entries wholly outside the window of every token
+  still to compute are *freed*: they hold no block and no reference (the null block on
+  the device, so block indices and the layout attention reads are unchanged; the window
+  masks those positions). Freed entries are only leading ones, of blocks whose every token
+  is ``sliding_window`` behind the newest. A decoding sequence then holds at most
   ``ceil(sliding_window / block_size) + 1`` blocks.
 
 Prefix sharing (automatic prefix caching, pinned prefixes): :mod:`~paged_jax.memory.prefix_sharing`.
@@ -79,10 +79,7 @@ class BlockManager(PrefixSharing):
         # False: a baseline that copies instead of sharing (fork copies every block; a request's
         # samples or beams never share). For measuring what sharing saves.
         self.enable_block_sharing = enable_block_sharing
-        # Set only when every layer of the model attends through this window: a model with
-        # full-attention layers too (Gemma 2) needs every key in those layers, so it keeps all
-        # blocks (one pool per layer kind, as vLLM's hybrid manager keeps, would free them for
-        # the windowed layers alone).
+        # Set only when every layer (of the model, or of the layer group) attends through this window.
         self.sliding_window = sliding_window
         self.gpu_allocator = BlockAllocator(Device.GPU, num_gpu_blocks, reserve_null_block=True)
         self.cpu_allocator = BlockAllocator(Device.CPU, num_cpu_blocks)
@@ -140,6 +137,9 @@ class BlockManager(PrefixSharing):
             if p.seq.seq_id in self._tables:
                 raise ValueError(f"sequence {p.seq.seq_id} already has a block table")
         self.gpu_pool.ensure_free(plan.num_blocks_taken, "allocate")
+        # Hold every cached hit first: a fresh block taken below may evict an unreferenced cached one.
+        held = [b for p in plan.seqs for b in p.cached]
+        self.gpu_pool.incref_all(held)
         tables: list[BlockTable] = []
         for p in plan.seqs:
             if p.same_as is not None:  # the same tokens as an earlier sequence: its whole table
@@ -156,6 +156,7 @@ class BlockManager(PrefixSharing):
             self._tables[p.seq.seq_id] = table
             p.seq.num_computed_tokens = p.num_computed_tokens
             tables.append(table)
+        self.gpu_pool.release_all(held)
 
     # ---- growth ------------------------------------------------------------------
     def can_append_slots(self, seq_group: SequenceGroup) -> bool:

@@ -68,6 +68,15 @@ class BlockPool:
             self.cache.unpark(block)
         self.allocator.incref(block)
 
+    def incref_all(self, blocks: list[int]) -> None:
+        for block in blocks:
+            self.incref(block)
+
+    def release_all(self, blocks: list[int]) -> None:
+        """``release`` each of ``blocks``, the last first."""
+        for block in reversed(blocks):
+            self.release(block)
+
     def release(self, block: int) -> None:
         """Drop one reference; at zero a registered block stays cached, others are freed."""
         if self.allocator.decref(block) == 0:

@@ -108,8 +108,12 @@ class HybridBlockManager:
         plans = [g.plan_allocation(seq_group, use_prefix_cache, reserve_tokens, lookup)
                  for g, lookup in zip(self.groups, lookups)]
         self.gpu_pool.ensure_free(sum(p.num_blocks_taken for p in plans), "allocate")
+        # Hold every group's cached hits first: a group's fresh blocks may evict another's unreferenced hits.
+        held = [b for plan in plans for s in plan.seqs for b in s.cached]
+        self.gpu_pool.incref_all(held)
         for group, lookup in zip(self.groups, lookups):
             group.allocate(seq_group, use_prefix_cache, reserve_tokens, lookup)
+        self.gpu_pool.release_all(held)
 
     # ---- growth -------------------------------------------------------------------------
     def can_append_slots(self, seq_group: SequenceGroup) -> bool:
