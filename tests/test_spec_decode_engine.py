@@ -88,18 +88,22 @@ def test_outputs_equal_the_same_engine_with_speculation_set_aside():
     params = [SamplingParams(temperature=0.8, top_p=0.95, n=2, seed=3, max_tokens=16),
               SamplingParams(temperature=0, max_tokens=9), SamplingParams(temperature=0, max_tokens=24, stop=[stop])]
     expected = llm.generate(prompts, params, use_tqdm=False)
-    engine.spec_decoder = decoder
-    preemptions = sum(engine.get_stats()["num_preemptions"].values())
-    got = llm.generate(prompts, params, use_tqdm=False)
     assert expected[2].outputs[0].finish_reason == "stop"
-    _check_same(expected, got)
-    stats = engine.get_stats()
-    assert sum(stats["num_preemptions"].values()) > preemptions
-    assert stats["spec_decode"]["num_accepted_tokens"] > 0
-    assert stats["spec_decode"]["num_draft_tokens"] > stats["spec_decode"]["num_accepted_tokens"]
-    engine.block_manager.check_invariants()
-    engine.block_manager.reset_prefix_cache()
-    assert engine.block_manager.gpu_allocator.num_free_blocks == engine.block_manager.gpu_allocator.num_total_blocks
+    engine.spec_decoder = decoder
+    # Both ways the runner scores drafts: a query tile per row (native's) and a decode row per token.
+    for as_rows in (False, True):
+        engine.runner.drafts_as_rows = as_rows
+        preemptions = sum(engine.get_stats()["num_preemptions"].values())
+        accepted = engine.get_stats()["spec_decode"]["num_accepted_tokens"]
+        got = llm.generate(prompts, params, use_tqdm=False)
+        _check_same(expected, got)
+        stats = engine.get_stats()
+        assert sum(stats["num_preemptions"].values()) > preemptions
+        assert stats["spec_decode"]["num_accepted_tokens"] > accepted
+        assert stats["spec_decode"]["num_draft_tokens"] > stats["spec_decode"]["num_accepted_tokens"]
+        engine.block_manager.check_invariants()
+        engine.block_manager.reset_prefix_cache()
+        assert engine.block_manager.gpu_allocator.num_free_blocks == engine.block_manager.gpu_allocator.num_total_blocks
     with pytest.raises(ValueError, match="beam search|use_beam_search"):
         engine.add_request("beam", PROMPTS[0], SamplingParams(use_beam_search=True, best_of=2, temperature=0))
 

@@ -106,12 +106,14 @@ def test_acceptance_counters_in_get_stats_and_metrics(monkeypatch):
     assert plain.get_stats()["spec_decode"] is None and "spec_decode" not in metrics.render()[0].decode()
 
 
-def test_warm_up_compiles_the_verification_steps(tiny_llama_dir):
+@pytest.mark.parametrize("as_rows", [False, True])
+def test_warm_up_compiles_the_verification_steps(tiny_llama_dir, as_rows):
     """After warm_up(), requests whose rows carry drafts (prompt-lookup hits, a prefill beside drafted
-    rows) compile nothing."""
-    llm = LLM(str(tiny_llama_dir), max_model_len=128, num_kv_blocks=48, max_num_seqs=4, max_num_batched_tokens=32,
+    rows) compile nothing, with drafts scored as query tiles or as a decode row per token."""
+    llm = LLM(str(tiny_llama_dir), max_model_len=64, num_kv_blocks=24, max_num_seqs=3, max_num_batched_tokens=16,
               speculative_config=SPEC)
     engine = llm.llm_engine
+    engine.runner.drafts_as_rows = as_rows
     engine.warm_up(progress=False)
     compiled = engine.get_stats()["num_compilations"]
     prompts = [REPEATING, "for i in range(3):\n    print(i)\nfor i in range(3):\n", REPEATING * 2, "def f(x):\n"]

@@ -20,7 +20,8 @@ import numpy as np
 from paged_jax import envs
 from paged_jax.attention import AUTO, kv_quant, select_backend
 from paged_jax.executor import executable_cache
-from paged_jax.executor.batch import Batch, SeqChunk, bucket, prepare_batch, split_steps, warmup_shapes
+from paged_jax.executor.batch import Batch, bucket, prepare_batch, split_steps, warmup_shapes
+from paged_jax.executor.draft_rows import verification_chunks
 from paged_jax.executor.interface import RowSampling, Sample, StepResult, check_sampling, position_histories
 from paged_jax.memory import cache_ops
 from paged_jax.models import compute_logits, forward
@@ -129,6 +130,11 @@ class ModelRunner:
         self.attn = select_backend(attention_backend, [config.attention_spec(i) for i in range(config.num_layers)],
                                    cache_dtype, native_kernels=native_kernels)
         self.attention_backend = self.attn.name
+        # Speculative decoding: a row with drafts runs its tokens as one query tile where the backend's
+        # ragged kernel sizes tiles to their queries (native), else as a decode row per token
+        # (verification_chunks): the jnp reference pads a tile to 256 queries, and a tile of 5 tokens
+        # cost it 10-20x a decode step against 2-4x for the rows (README, Speculative decoding).
+        self.drafts_as_rows = self.attention_backend != "native"
         self.seed = seed
         self.mesh, self.kv_sharding, out_shardings = mesh, None, None
         if mesh is not None:
@@ -180,14 +186,20 @@ class ModelRunner:
         """Compile up front every step shape a run can reach (see :func:`warmup_shapes`),
         ahead of time (nothing runs on the device), and the sampler for every row bucket
         with ``sampling_params`` (default: greedy). With ``num_speculative_tokens`` (speculative
-        decoding) also the verification steps: each shape with several tokens per row, computing
-        every token's logits, and the sampler and row selection for up to one sampler row per
-        token. Returns the number of step shapes compiled."""
+        decoding) also the verification steps (:func:`verification_chunks`): decode shapes of up to a
+        row per token of the step, or the prefill shapes computing every token's logits; and the
+        sampler and row selection for up to one sampler row per token. Returns the number of step
+        shapes compiled."""
         from paged_jax.sampling_params import SamplingParams
 
-        reachable = warmup_shapes(max_num_seqs, max_num_batched_tokens, max_model_len, self.block_size)
-        # A step with draft tokens runs as a prefill shape (several tokens per row) with all its logits.
-        verify = [(k, True) for k in reachable if k[3]] if num_speculative_tokens else []
+        max_rows = max_num_seqs  # sampler rows; with drafts, up to one per token of the step
+        if num_speculative_tokens:
+            max_rows = max(max_num_seqs, min(max_num_batched_tokens, max_num_seqs * (num_speculative_tokens + 1)))
+        decode_rows = max_rows if self.drafts_as_rows else max_num_seqs
+        reachable = warmup_shapes(decode_rows, max_num_batched_tokens, max_model_len, self.block_size)
+        # Drafts run as query tiles: the prefill shapes, with every token's logits.
+        tiles = num_speculative_tokens and not self.drafts_as_rows
+        verify = [(k, True) for k in reachable if k[3]] if tiles else []
         shapes = [key for key in [(k, False) for k in reachable] + verify if key not in self._executables]
         bar = None
         if progress:
@@ -207,10 +219,8 @@ class ModelRunner:
         plist = [sampling_params or SamplingParams(temperature=0)]
         if isinstance(sampling_params, (list, tuple)):
             plist = list(sampling_params)
-        # Verification draws at every scored position: up to one sampler row per token of the step.
-        max_rows = bucket(max(max_num_seqs, max_num_batched_tokens if num_speculative_tokens else 0))
         n = 1
-        while n <= max_rows:
+        while n <= bucket(max_rows):
             logits = jnp.zeros((n, self.config.vocab_size), jnp.float32)
             for p in plist:
                 seed = None if p.seed is None else seed_for_sample(p.seed, 0)
@@ -224,7 +234,7 @@ class ModelRunner:
         for rows in sorted({t for (t, _, _, tiles), _ in shapes if tiles}):
             logits = jnp.zeros((rows, self.config.vocab_size), jnp.float32)
             n = 1
-            while n <= min(rows, max_rows):
+            while n <= min(rows, bucket(max_rows)):
                 jax.block_until_ready(self._call("take_rows", _take_rows, logits, np.zeros(n, np.int32)))
                 n *= 2
         return len(shapes)
@@ -277,11 +287,10 @@ class ModelRunner:
         result = StepResult()
         if not out.scheduled:
             return result
-        chunks = [SeqChunk(r.seq.get_token_ids()[r.start_pos:r.start_pos + r.num_tokens], r.start_pos, r.block_table,
-                           r.seq.get_prompt_len()) for r in out.scheduled]
+        chunks, owners = verification_chunks(out, sampling, self.drafts_as_rows)
         want_prompt = [i for i, s in enumerate(sampling) if s.prompt_logprobs is not None]
-        # Prompt logprobs, and rows with draft tokens (speculative decoding), need more than the last token's logits.
-        all_logits = bool(want_prompt) or any(s.num_speculative_tokens for s in sampling)
+        # Prompt logprobs, and drafts run as query tiles, need more than each row's last token's logits.
+        all_logits = bool(want_prompt) or (not self.drafts_as_rows and any(j is not None for _, j in owners))
         # One ragged batch for the whole step (split only if its prefills need more query tiles
         # than its token bucket holds: many short prompts at once).
         for part in split_steps(chunks):
@@ -295,7 +304,8 @@ class ModelRunner:
             # were a tenth of the step). The one wait is for the samples.
             logits = self.run_batch(batch, all_logits=all_logits)
             t3 = time.perf_counter()
-            pending = self._dispatch_samples(out, sampling, part, logits, batch, all_logits, eos_token_id)
+            pending = self._dispatch_samples(out, sampling, [owners[c] for c in part], logits, batch, all_logits,
+                                             eos_token_id)
             t4 = time.perf_counter()
             # Waiting for the step here (the sampler is already queued behind it) costs no overlap and
             # keeps the device time apart from sampling's: "device" is the step's dispatch plus what is
@@ -304,33 +314,37 @@ class ModelRunner:
             t5 = time.perf_counter()
             self.timings["device"] += (t3 - t2) + (t5 - t4)
             self._collect_samples(sampling, pending, result)
-            for b, i in enumerate(part):
+            for b, (i, _) in enumerate(owners[c] for c in part):
                 if i in want_prompt:
                     result.prompt_logprobs[i] = self._prompt_logprobs(out.scheduled[i], sampling[i].prompt_logprobs,
                                                                       logits, batch, b)
             self.timings["sample"] += (t4 - t3) + (time.perf_counter() - t5)
         return result
 
-    def _dispatch_samples(self, out: SchedulerOutput, sampling: Sequence[RowSampling], part: list[int], logits,
+    def _dispatch_samples(self, out: SchedulerOutput, sampling: Sequence[RowSampling], part: list[tuple], logits,
                           batch: Batch, all_logits: bool, eos_token_id: Optional[int]):
-        """Queue the sampler for the samples ``sampling`` asks of the rows ``out.scheduled[part]``
-        from ``logits`` (one per batch row; possibly not computed yet). Returns ``(picks, outputs)``
-        for :meth:`_collect_samples`: the scheduled row of each sampler row, and the sampler's
-        output on the device; None when no row samples."""
+        """Queue the sampler for the samples ``sampling`` asks of the batch's rows, ``part``: each
+        ``(scheduled row, its first scored position or None)`` (:func:`verification_chunks`), from
+        ``logits`` (one per batch row; possibly not computed yet). Returns ``(picks, outputs)`` for
+        :meth:`_collect_samples`: the scheduled row of each sampler row, and the sampler's output on the
+        device; None when no row samples."""
         row_of_logits = batch.last_token if all_logits else np.arange(len(batch.last_token))
         # One sampler row per sample asked for: its scheduled row, and its batch row's logits.
         picks, rows, logit_rows = [], [], []
         num_top = 0
-        for b, i in enumerate(part):
+        for b, (i, first) in enumerate(part):
             spec, seq = sampling[i], out.scheduled[i].seq
             if spec.num_samples:
                 num_top = max(num_top, spec.num_top)
-            if spec.num_speculative_tokens:  # one draw at each scored position (paged_jax.spec_decode)
+            if first is not None:  # drafts: one draw at each scored position (paged_jax.spec_decode)
                 k = spec.num_speculative_tokens
-                for j, history in enumerate(position_histories(seq.output_token_ids, k)):
+                histories = position_histories(seq.output_token_ids, k)
+                # This batch row scores positions first..last: one token (a decode row), or all k + 1 (a tile).
+                last = first if self.drafts_as_rows else k
+                for j in range(first, last + 1):
                     picks.append(i)
-                    logit_rows.append(row_of_logits[b] - k + j)
-                    rows.append((spec.params, spec.seeds[0], seq.prompt_token_ids, history))
+                    logit_rows.append(row_of_logits[b] - last + j)
+                    rows.append((spec.params, spec.seeds[0], seq.prompt_token_ids, histories[j]))
                 continue
             for seed in spec.seeds:
                 picks.append(i)
