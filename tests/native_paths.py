@@ -74,8 +74,7 @@ class Report:
             for line in describe(status, names):
                 tr.write_line(line)
         built = {(k, v) for _, s in merged.values() if s.get("ok") for k, v in s["paths"].items()}
-        every = {("attention", v) for v in ("avx512", "portable")}
-        every |= {(k, v) for k in ("linear float32", "linear quantized") for v in native.build.LINEAR_PATHS}
+        every = {(k, v) for k in ("attention", "linear float32", "linear quantized") for v in native.build.LINEAR_PATHS}
         every |= {("linear int8 x int8", v) for v in native.build.INT8_PATHS}
         never = sorted(every - built)
         if never:

@@ -14,7 +14,7 @@ import pytest
 
 from paged_jax import native
 from paged_jax.attention import kv_quant
-from tests.native_paths import native_paths_report, run_build  # noqa: F401 (autouse: the paths report)
+from tests.native_paths import PORTABLE_FLAGS, native_paths_report, run_build  # noqa: F401 (autouse: the report)
 from tests.test_kv_quant_kernels import numpy_attention, numpy_dequantize
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernel not built: {native.status()}")
@@ -181,13 +181,27 @@ print(json.dumps({"checks": checks, "status": native.status()}))
 """
 
 
-def test_portable_loops_without_avx512(tmp_path_factory):
-    """The kernel's loops for CPUs without AVX-512 (built with -mno-avx512f, in its own process:
-    keys transposed element by element, plain value loops) give the same attention, in every
-    cache dtype, with a sliding window and a soft-cap."""
-    out = run_build(PORTABLE_CHECK, tmp_path_factory, "test_native_ragged.py::test_portable_loops_without_avx512")
-    assert out["status"]["paths"]["attention"] == "portable"
+def _check_build(out):
     assert {"attention float32", "attention bfloat16", "attention int8 cache",
             "attention fp8 cache"} <= set(out["status"]["traced"])
     bad = [(case, err, tol) for case, err, tol in out["checks"] if not err < tol]
     assert len(out["checks"]) == 9 and not bad, bad
+
+
+def test_avx2_path_without_avx512(tmp_path_factory):
+    """The kernel's AVX2 code (built with -mno-avx512f, in its own process: keys transposed 8 x 8 in
+    registers, weighted values in 8-float registers; the plain loops where the CPU has no AVX2)
+    gives the same attention, in every cache dtype, with a sliding window and a soft-cap."""
+    out = run_build(PORTABLE_CHECK, tmp_path_factory, "test_native_ragged.py::test_avx2_path_without_avx512")
+    assert out["status"]["paths"]["attention"] == ("avx2" if "avx2" in native.cpu_isa() else "portable")
+    _check_build(out)
+
+
+@pytest.mark.slow
+def test_portable_loops_without_avx2(tmp_path_factory):
+    """The plain loops (built with -mno-avx512f -mno-avx2 -mno-fma: keys transposed element by
+    element, plain value loops) give the same attention."""
+    out = run_build(PORTABLE_CHECK, tmp_path_factory, "test_native_ragged.py::test_portable_loops_without_avx2",
+                    PORTABLE_FLAGS)
+    assert out["status"]["paths"]["attention"] == "portable"
+    _check_build(out)

@@ -45,7 +45,7 @@ def _flags() -> list[str]:
 _lock = threading.Lock()
 # "ok": bool, "error": str, "library": path, "flags": str, "linear_isa", "int8_isa": int (2 AVX-512 / VNNI,
 # 1 AVX2, 0 portable), "int8_matmul" (an int8 x int8 kernel with integer instructions: VNNI or AVX2),
-# "vnni_matmul", "avx512_attention": bool
+# "vnni_matmul": bool, "attention_isa": int (2 AVX-512, 1 AVX2, 0 portable)
 _state: dict = {}
 # The kernels (by the names of KERNELS) this process has put into a computation. Which instruction
 # set each runs is fixed when the library is built (see paths()): together they say what a test run
@@ -125,7 +125,7 @@ def available() -> bool:
                 _state.update(ok=True, library=str(path), flags=" ".join(_flags()),
                               linear_isa=int(lib.PagedJaxLinearIsa()), int8_isa=int(lib.PagedJaxLinearInt8Isa()),
                               int8_matmul=lib.PagedJaxLinearInt8Isa() > 0, vnni_matmul=lib.PagedJaxLinearInt8Isa() == 2,
-                              avx512_attention=bool(lib.PagedJaxAttentionAvx512()))
+                              attention_isa=int(lib.PagedJaxAttentionIsa()))
             except Exception as e:  # no compiler, a failed build, an FFI this jaxlib lacks: run the jnp path
                 _state.update(ok=False, error=str(e))
                 logger.warning("native CPU kernels unavailable, using XLA's (jnp decode attention, XLA "
@@ -148,17 +148,17 @@ def status() -> dict:
 
 def paths() -> dict:
     """Which code each kernel of the built library runs, compiled in or out by the instruction set
-    it was built for: {"attention": "avx512" | "portable", "linear float32", "linear quantized":
+    it was built for: {"attention", "linear float32", "linear quantized":
     "avx512" | "avx2" | "portable", "linear int8 x int8": "vnni" | "avx2" | "portable"}; {} before a
     successful build."""
     if not _state.get("ok"):
         return {}
     linear = LINEAR_PATHS[_state["linear_isa"]]
-    return {"attention": "avx512" if _state["avx512_attention"] else "portable", "linear float32": linear,
+    return {"attention": LINEAR_PATHS[_state["attention_isa"]], "linear float32": linear,
             "linear quantized": linear, "linear int8 x int8": INT8_PATHS[_state["int8_isa"]]}
 
 
-LINEAR_PATHS = ("portable", "avx2", "avx512")  # by the library's PagedJaxLinearIsa()
+LINEAR_PATHS = ("portable", "avx2", "avx512")  # by the library's PagedJaxLinearIsa() (and PagedJaxAttentionIsa())
 INT8_PATHS = ("portable", "avx2", "vnni")  # by PagedJaxLinearInt8Isa()
 
 

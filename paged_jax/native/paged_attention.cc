@@ -16,8 +16,11 @@
 // scale, D + 2 bytes; the scales multiply the dot products and the weights).
 
 #include <algorithm>
-#ifdef __AVX512F__
+#if defined(__AVX512F__)
 #include <immintrin.h>
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define PAGED_JAX_ATTENTION_AVX2 1  // the same register code in 8-float vectors
 #endif
 #include <cmath>
 #include <cstdint>
@@ -136,6 +139,25 @@ inline float ExpNonPositive(float x) {
   return er * __builtin_bit_cast(float, (static_cast<int32_t>(n) + 127) << 23);
 }
 
+#if defined(PAGED_JAX_ATTENTION_AVX2)
+// ExpNonPositive on 8 lanes (GCC leaves the loop of it scalar when building for AVX2).
+inline __m256 ExpNonPositive8(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));  // a NaN becomes -87, as the ternary
+  const __m256 big = _mm256_set1_ps(12582912.f);
+  const __m256 n = _mm256_sub_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), big), big);
+  const __m256 r = _mm256_fmadd_ps(n, _mm256_set1_ps(2.12194440e-4f), _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x));
+  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+  const __m256 er = _mm256_add_ps(_mm256_fmadd_ps(_mm256_mul_ps(p, r), r, r), _mm256_set1_ps(1.f));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(n), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(er, _mm256_castsi256_ps(e));
+}
+#endif
+
 // tanh(y) = sign(y) (1 - e^-2|y|) / (1 + e^-2|y|), through ExpNonPositive so that a loop of it
 // vectorizes; within a few ulp of 1 at large |y|, and within about 1e-7 of y near 0.
 inline float Tanh(float y) {
@@ -174,6 +196,27 @@ inline void Transpose16(const float* const* src, float* dst, int64_t ld) {
   }
   for (int i = 0; i < 16; ++i) _mm512_storeu_ps(dst + i * ld, r[i]);
 }
+#elif defined(PAGED_JAX_ATTENTION_AVX2)
+// dst[d * ld + l] = src[l][d] for l, d < 8: eight rows of 8 floats transposed in registers.
+inline void Transpose8(const float* const* src, float* dst, int64_t ld) {
+  __m256 r[8], t[8];
+  for (int i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src[i]);
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    r[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+    r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+    r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+    r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+  }
+  for (int i = 0; i < 4; ++i) {
+    t[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
+    t[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
+  }
+  for (int i = 0; i < 8; ++i) _mm256_storeu_ps(dst + i * ld, t[i]);
+}
 #endif
 #ifndef PAGED_JAX_SCORE_ROWS
 #define PAGED_JAX_SCORE_ROWS 8
@@ -183,10 +226,50 @@ constexpr int64_t kMinTransposeRows = 4;  // query rows of a KV head from which 
 
 // scores[r, c .. c + kLanes) = q[r] . keys[c .. c + kLanes) for `rows` rows (at most kRowTile) of
 // q ([rows, D], row stride D) against kt ([D, ldk]: the block's keys, transposed, one per lane).
+#if defined(PAGED_JAX_ATTENTION_AVX2)
+// ScoreTile's rows R at a time in AVX2 registers (R x 2 vectors of 8 lanes: the plain loop's
+// kRowTile x 16 accumulators would not fit AVX2's 16 registers).
+template <int R>
+inline void ScoreRows(const float* q, int64_t D, int64_t len, const float* kt, int64_t ldk, int64_t c,
+                      float* scores, int64_t lds) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < len; ++d) {
+    const __m256 k0 = _mm256_loadu_ps(kt + d * ldk + c), k1 = _mm256_loadu_ps(kt + d * ldk + c + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 a = _mm256_broadcast_ss(q + r * D + d);
+      acc[r][0] = _mm256_fmadd_ps(a, k0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(a, k1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(scores + r * lds + c, acc[r][0]);
+    _mm256_storeu_ps(scores + r * lds + c + 8, acc[r][1]);
+  }
+}
+#endif
+
 template <int kD>
 inline void ScoreTile(const float* q, int64_t rows, int64_t D, const float* kt, int64_t ldk, int64_t c,
                       float* scores, int64_t lds) {
   const int64_t len = kD > 0 ? kD : D;
+#if defined(PAGED_JAX_ATTENTION_AVX2)
+  if constexpr (kLanes == 16) {
+    for (int64_t r0 = 0; r0 < rows; r0 += 6) {
+      const float* qr = q + r0 * D;
+      float* sr = scores + r0 * lds;
+      switch (std::min<int64_t>(6, rows - r0)) {
+        case 6: ScoreRows<6>(qr, D, len, kt, ldk, c, sr, lds); break;
+        case 5: ScoreRows<5>(qr, D, len, kt, ldk, c, sr, lds); break;
+        case 4: ScoreRows<4>(qr, D, len, kt, ldk, c, sr, lds); break;
+        case 3: ScoreRows<3>(qr, D, len, kt, ldk, c, sr, lds); break;
+        case 2: ScoreRows<2>(qr, D, len, kt, ldk, c, sr, lds); break;
+        default: ScoreRows<1>(qr, D, len, kt, ldk, c, sr, lds); break;
+      }
+    }
+    return;
+  }
+#endif
   float acc[kRowTile][kLanes] = {};
   for (int64_t d = 0; d < len; ++d) {
     const float* k = kt + d * ldk + c;
@@ -200,7 +283,7 @@ inline void ScoreTile(const float* q, int64_t rows, int64_t D, const float* kt, 
 }
 
 // out[0 .. D) += sum over t in [t0, t1) of w[t] * v[t][0 .. D), in plain loops: what
-// WeightedValueRows does without AVX-512 or for a head size that is not a multiple of 16.
+// WeightedValueRows does without AVX-512 or AVX2, or for a head size that is not a multiple of 16.
 template <int kD>
 inline void WeightedValues(const float* w, int64_t t0, int64_t t1, const float* const* v, int64_t D, float* out) {
   if constexpr (kD > 0) {
@@ -221,9 +304,30 @@ inline void WeightedValues(const float* w, int64_t t0, int64_t t1, const float* 
 // The same for kValueRows rows at once (out rows and weight rows a stride apart), each over
 // [t0, t1): every key's value loaded once for all of them. A row's weights are 0 outside its own
 // visible keys, and every key in [t0, t1) is one some query of the item sees (so it holds a real,
-// finite value). Written out in AVX-512: GCC vectorizes the plain loop across t, by gathers (80 % of
-// a long chunk's time).
+// finite value). Written out in AVX-512 and AVX2: GCC vectorizes the plain loop across t, by gathers
+// (80 % of a long chunk's time).
 constexpr int64_t kValueRows = 4;
+#if defined(PAGED_JAX_ATTENTION_AVX2)
+// WeightedValueRows' AVX2 code for R rows and outputs j0 .. j0 + 16: 2R accumulators held in
+// registers (a row count known when compiling, else GCC keeps them on the stack).
+template <int R>
+inline void ValueRows(const float* w, int64_t ldw, int64_t t0, int64_t t1, const float* const* v, int64_t j0,
+                      int64_t D, float* out) {
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 2; ++j) acc[r][j] = _mm256_loadu_ps(out + r * D + j0 + 8 * j);
+  for (int64_t t = t0; t < t1; ++t) {
+    const __m256 x0 = _mm256_loadu_ps(v[t] + j0), x1 = _mm256_loadu_ps(v[t] + j0 + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 wt = _mm256_broadcast_ss(w + r * ldw + t);
+      acc[r][0] = _mm256_fmadd_ps(wt, x0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(wt, x1, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int j = 0; j < 2; ++j) _mm256_storeu_ps(out + r * D + j0 + 8 * j, acc[r][j]);
+}
+#endif
 template <int kD>
 inline void WeightedValueRows(const float* w, int64_t ldw, int64_t rows, int64_t t0, int64_t t1,
                               const float* const* v, int64_t D, float* out) {
@@ -248,6 +352,19 @@ inline void WeightedValueRows(const float* w, int64_t ldw, int64_t rows, int64_t
       }
       for (int64_t r = 0; r < rows; ++r)
         for (int64_t j = 0; j < nj; ++j) _mm512_storeu_ps(out + r * D + j0 + 16 * j, acc[r][j]);
+    }
+    return;
+  }
+#elif defined(PAGED_JAX_ATTENTION_AVX2)
+  const int64_t len = kD > 0 ? kD : D;
+  if (len % 16 == 0) {
+    for (int64_t j0 = 0; j0 < len; j0 += 16) {  // 2 vectors of outputs for each of the rows, in registers
+      switch (rows) {
+        case 4: ValueRows<4>(w, ldw, t0, t1, v, j0, D, out); break;
+        case 3: ValueRows<3>(w, ldw, t0, t1, v, j0, D, out); break;
+        case 2: ValueRows<2>(w, ldw, t0, t1, v, j0, D, out); break;
+        default: ValueRows<1>(w, ldw, t0, t1, v, j0, D, out); break;
+      }
     }
     return;
   }
@@ -368,6 +485,19 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, std::v
               continue;
             }
           }
+#elif defined(PAGED_JAX_ATTENTION_AVX2)
+          if constexpr (std::is_same_v<C, float> && kLanes == 16) {
+            if (D % 8 == 0) {
+              const float* src[16];
+              for (int64_t l = 0; l < 16; ++l) src[l] = l < nc ? kr[c + l] + kh * E : zeros;
+              for (int64_t d0 = 0; d0 < D; d0 += 8) {
+                Transpose8(src, kt + d0 * nl + c, nl);
+                Transpose8(src + 8, kt + d0 * nl + c + 8, nl);
+                for (auto& x : src) x += 8;
+              }
+              continue;
+            }
+          }
 #endif
           for (int64_t l = 0; l < kLanes; ++l) {
             const C* key = l < nc ? kr[c + l] + kh * E : nullptr;
@@ -404,6 +534,25 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, std::v
       }
       const float correction = std::exp(m[r] - mx);  // 0 on the row's first keys (m = -inf)
       float sum = 0.f;
+#if defined(PAGED_JAX_ATTENTION_AVX2)
+      {
+        const __m256 vmx = _mm256_set1_ps(mx);
+        const __m256i vlo = _mm256_set1_epi32(static_cast<int32_t>(lo)), vnv = _mm256_set1_epi32(static_cast<int32_t>(nv));
+        __m256 vsum = _mm256_setzero_ps();
+        for (int64_t c = 0; c < nl; c += 8) {
+          const __m256i idx = _mm256_add_epi32(_mm256_set1_epi32(static_cast<int32_t>(c)),
+                                               _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+          const __m256 z = _mm256_min_ps(_mm256_sub_ps(_mm256_loadu_ps(x + c), vmx), _mm256_setzero_ps());
+          const __m256i sees = _mm256_andnot_si256(_mm256_cmpgt_epi32(vlo, idx), _mm256_cmpgt_epi32(vnv, idx));
+          const __m256 w = _mm256_and_ps(ExpNonPositive8(z), _mm256_castsi256_ps(sees));  // 0: a key it does not see
+          _mm256_storeu_ps(x + c, w);
+          vsum = _mm256_add_ps(vsum, w);
+        }
+        alignas(32) float lanes[8];
+        _mm256_store_ps(lanes, vsum);
+        for (float l : lanes) sum += l;
+      }
+#else
       for (int64_t c = 0; c < nl; c += kLanes) {
         float e[kLanes];
 #pragma omp simd
@@ -418,6 +567,7 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, std::v
           sum += w;
         }
       }
+#endif
       den[r] = den[r] * correction + sum;
       m[r] = mx;
       if (correction != 1.f) {
@@ -558,10 +708,12 @@ ffi::Error ImplFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ff
 
 }  // namespace
 
-// 1 when the kernel was built with its AVX-512 code (keys transposed in registers, weighted values
-// in AVX-512 registers), 0 for the plain loops: native.status() reports which one a run tests.
-extern "C" int PagedJaxAttentionAvx512() {
-#ifdef __AVX512F__
+// Which code the kernel was built with (keys transposed in registers, weighted values in
+// registers): 2 AVX-512, 1 AVX2 with FMA3, 0 the plain loops: native.status() reports which one a run tests.
+extern "C" int PagedJaxAttentionIsa() {
+#if defined(__AVX512F__)
+  return 2;
+#elif defined(PAGED_JAX_ATTENTION_AVX2)
   return 1;
 #else
   return 0;
