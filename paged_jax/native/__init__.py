@@ -31,8 +31,8 @@ The library is compiled with the system's C++ compiler the first time it is
 needed, into ``$PAGED_JAX_HOME/native`` (default ``~/.cache/paged_jax/native``),
 keyed by the sources, the compiler flags, jaxlib's version and this CPU; extra flags
 come from ``PAGED_JAX_NATIVE_FLAGS``. The attention kernel and the matmuls use AVX-512 (the int8
-x int8 one AVX-512 VNNI) where the CPU has it; the matmuls use AVX2 + FMA3 tiles where it has those
-instead (the int8 x int8 one ``vpmaddwd``), and portable loops elsewhere (the float32 matmul's are
+x int8 one AVX-512 VNNI) where the CPU has it; AVX2 + FMA3 code where it has those instead (the
+int8 x int8 matmul ``vpmaddwd``), and portable loops elsewhere (the float32 matmul's are
 correct but slower than XLA's matmul); :func:`paths` says which a build compiled in, and
 ``status()["traced"]`` which kernels ran. When no compiler is found or the build fails,
 :func:`available` is False, a warning says why, and everything runs in XLA (plain
