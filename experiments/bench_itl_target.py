@@ -146,7 +146,7 @@ def run(a) -> list[dict]:
     from paged_jax.engine_args import EngineArgs
     from paged_jax.models.tiny import make_tiny_model
 
-    rows, decode_ms = [], None
+    rows, decode_ms = [], a.decode_ms
     with tempfile.TemporaryDirectory() as tmp:
         max_len = max(a.long) + 128
         model = str(make_tiny_model(tmp, n_positions=max_len, **a.model))
@@ -162,7 +162,7 @@ def run(a) -> list[dict]:
                 from paged_jax.step_cost import calibrate
 
                 calibrate(engine)
-            print(f"{cfg}: warmed up in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
+            print(f"engine {cfg}: warmed up in {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
             rng = np.random.default_rng(0)
             for rep in range(a.runs):
                 before = engine.runner.num_compilations
@@ -210,7 +210,7 @@ def report(rows: list[dict], a) -> str:
             f"{1e3 * r['gaps_s'][1]:.1f} / {1e3 * r['max_gap_s']:.1f} | {over[0]} | {over[1]} | "
             + " | ".join(f"{r['long_ttft_s'][n]:.2f}" for n in a.long)
             + (f" | {short[0]:.2f} / {short[1]:.2f} | {short[1] / alone:.1f}x" if short else " | - | -")
-            + f" | {r['num_shorts_in_window']}/{r['num_shorts']} | {r['tokens_per_s']:,.0f} | {r['steps']} | {err} "
+            + f" | {r.get('num_shorts_in_window', r.get('num_shorts_served'))}/{r['num_shorts']} | {r['tokens_per_s']:,.0f} | {r['steps']} | {err} "
             f"| {r['compiled']} |")
     lines.append(f"\nFigure: {a.figure} (time to first token of the {longest:,}-token prompt against the streams' "
                  "p99 gap).")
@@ -260,6 +260,10 @@ def main(argv=None):
     ap.add_argument("--budgets", type=int, nargs="*", default=[64, 128, 256, 512, 1024, 2048, 4096])
     ap.add_argument("--multiples", type=float, nargs="*", default=[2, 5, 25],
                     help="targets as multiples of the measured decode step")
+    ap.add_argument("--decode-ms", type=float, default=None,
+                    help="the decode step the targets are multiples of (default: measured in the first run)")
+    ap.add_argument("--rows", nargs="*", default=None, metavar="JSONL",
+                    help="report and draw the rows printed (one JSON a line) by earlier runs, running nothing")
     ap.add_argument("--fcfs-multiple", type=float, default=5, help="also this target with FCFS (0: not)")
     ap.add_argument("--before-steps", type=int, default=20)
     ap.add_argument("--short-every", type=float, default=0.5, help="seconds between short prompts")
@@ -274,7 +278,12 @@ def main(argv=None):
     if a.quick:
         for k, v in QUICK.items():
             setattr(a, k, v)
-    rows = run(a)
+    if a.rows is not None:
+        rows = [json.loads(line) for path in a.rows for line in open(path) if line.startswith('{"')]
+        for r in rows:
+            r["long_ttft_s"] = {int(n): t for n, t in r["long_ttft_s"].items()}
+    else:
+        rows = run(a)
     figure(rows, a)
     print(report(rows, a))
     return rows

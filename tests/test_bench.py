@@ -108,3 +108,17 @@ def test_compare_and_roofline(gpt2_dir, capsys):
                          "--profile-prompts", "2", "--profile-lens", "4,4"])
     assert all(0 < r["fraction"] for r in out["roofline"]) and out["profile"]["parts_s"]["device step"] > 0
     assert all(r["matmuls_ms"] > 0 and r["xla_step_ms"] > 0 and r["xla_matmuls_ms"] > 0 for r in out["roofline"])
+
+
+@pytest.mark.slow
+def test_itl_target_benchmark_quick(tmp_path, capsys):
+    """bench_itl_target --quick: every configuration runs the scenario, the table and the figure come out."""
+    import bench_itl_target
+
+    figure = tmp_path / "itl.png"
+    rows = bench_itl_target.main(["--quick", "--no-warm-up", "--figure", str(figure)])
+    text = capsys.readouterr().out
+    assert [(r["mode"], r["policy"]) for r in rows] == [("budget", "FCFS"), ("budget", "FCFS"), ("target", "ShortFirst")]
+    assert all(r["short_ttft_s"] and r["num_shorts"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    assert "| target 5x decode step | ShortFirst |" in text and figure.stat().st_size > 10_000
+    assert figure.with_suffix(".json").exists()
