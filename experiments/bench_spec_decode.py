@@ -75,8 +75,8 @@ def main(argv=None) -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workloads", default="complete,edit", help="complete and/or edit (see code_prompts)")
     ap.add_argument("--disable-by-batch-size", default="default",
-                    help="the n-gram configurations' disable_by_batch_size: a number, 'none' (speculate at every "
-                         "batch size) or 'default' (the engine's default)")
+                    help="comma-separated disable_by_batch_size values, one n-gram configuration per k for each: a "
+                         "number, 'none' (speculate at every batch size) or 'default' (the engine's default)")
     a = ap.parse_args(argv)
 
     from paged_jax import LLM, SamplingParams
@@ -85,12 +85,14 @@ def main(argv=None) -> None:
     ks = [int(k) for k in a.ks.split(",")]
     params = SamplingParams(temperature=0, max_tokens=a.output_len, ignore_eos=True)
     configs = {"plain": None}
-    for k in ks:
-        configs[f"ngram k={k}"] = {"method": "ngram", "num_speculative_tokens": k,
-                                   "prompt_lookup_min": a.lookup_min, "prompt_lookup_max": a.lookup_max}
-        if a.disable_by_batch_size != "default":
-            off = a.disable_by_batch_size
-            configs[f"ngram k={k}"]["disable_by_batch_size"] = None if off == "none" else int(off)
+    offs = a.disable_by_batch_size.split(",")
+    for off in offs:
+        for k in ks:
+            name = f"ngram k={k}" + (f" off@{off}" if len(offs) > 1 else "")
+            configs[name] = {"method": "ngram", "num_speculative_tokens": k,
+                             "prompt_lookup_min": a.lookup_min, "prompt_lookup_max": a.lookup_max}
+            if off != "default":
+                configs[name]["disable_by_batch_size"] = None if off == "none" else int(off)
     engines = {name: LLM(max_model_len=1024, max_num_seqs=max(batches), num_kv_blocks=64 * max(batches) + 1,
                          speculative_config=spec) for name, spec in configs.items()}
     print(f"{a.prompts} code prompts ({a.prompt_chars} characters of held-out standard-library files), "
@@ -120,7 +122,7 @@ def main(argv=None) -> None:
         best = {name: sum(times) for name, times in best.items()}
         total = len(prompts) * a.output_len
         base = total / best["plain"]
-        print(f"\n{workload}, batch {batch}:\n{'configuration':<12} {'tokens/s':>9} {'x plain':>8} {'accept':>7} "
+        print(f"\n{workload}, batch {batch}:\n{'configuration':<22} {'tokens/s':>9} {'x plain':>8} {'accept':>7} "
               f"{'mean len':>9} {'propose s':>10} {'same tokens':>12}")
         for name in configs:
             tps = total / best[name]
@@ -129,7 +131,7 @@ def main(argv=None) -> None:
             mean = f"{1 + s['num_accepted_tokens'] / s['num_drafts']:.2f}" if s and s["num_drafts"] else "-"
             prop = f"{s['proposal_time']:.3f}" if s else "-"
             same = "yes" if tokens[name] == tokens["plain"] else "NO"
-            print(f"{name:<12} {tps:9.1f} {tps / base:8.2f} {acc:>7} {mean:>9} {prop:>10} {same:>12}")
+            print(f"{name:<22} {tps:9.1f} {tps / base:8.2f} {acc:>7} {mean:>9} {prop:>10} {same:>12}")
 
 
 if __name__ == "__main__":
