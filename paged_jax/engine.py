@@ -171,14 +171,18 @@ class LLMEngine:
         scheduler, finish reason "length" with a message; without max_tokens a request may still
         outgrow the cache, and then ends the same way.)"""
         bs, have = self.block_manager.block_size, self.block_manager.gpu_allocator.num_total_blocks
-        room = have * bs - prompt_len  # the most tokens one sequence can generate
-        if max_tokens is None or room < 1:
+        need = self.block_manager.num_blocks_needed  # every layer group's blocks, at most (one group: ceil(n / bs))
+        if max_tokens is None or need(prompt_len, prompt_len + 1) > have:
             return
         total = min(prompt_len + max_tokens, self.scheduler_config.max_model_len)
-        if -(-total // bs) > have:
+        if need(prompt_len, total) > have:
+            lo, hi = prompt_len + 1, total  # the longest sequence that fits, by bisection
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                lo, hi = (mid, hi) if need(prompt_len, mid) <= have else (lo, mid)
             raise ValueError(f"max_tokens={max_tokens} can never fit in the KV cache: the prompt ({prompt_len} "
-                             f"tokens) and the completion need {-(-total // bs)} blocks of {bs} tokens, the cache "
-                             f"holds {have}; lower max_tokens to at most {room}")
+                             f"tokens) and the completion need {need(prompt_len, total)} blocks of {bs} tokens, the "
+                             f"cache holds {have}; lower max_tokens to at most {lo - prompt_len}")
 
     def _stop_token_ids(self, p: SamplingParams) -> set[int]:
         return set(p.stop_token_ids) | (set() if p.ignore_eos else set(self.eos_token_ids))

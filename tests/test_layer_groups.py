@@ -139,6 +139,23 @@ def test_simulated_pool_per_kind_holds_the_window_and_more_sequences():
     assert grouped["mean_saturated"] > 2.5 * one["mean_saturated"] and grouped["peak_running"] >= 3 * 4
 
 
+def test_requests_that_can_never_fit_are_refused_by_every_groups_blocks(gemma3):
+    """35 pages of one layer, six groups (five with a window of 6 tokens, 3 blocks of 4 at most): a
+    20-token prompt takes 6 x 5 pages at admission, and at n tokens ceil(n / 4) + 5 x 3; so at most
+    80 tokens, 60 new ones."""
+    from paged_jax import SamplingParams
+    from paged_jax.engine import LLMEngine
+    from paged_jax.engine_args import EngineArgs
+
+    path, _ = gemma3
+    engine = LLMEngine(EngineArgs(model=str(path), block_size=4, max_model_len=96, num_kv_blocks=36))
+    prompt = list(range(3, 23))
+    refused = "need 36 blocks of 4 tokens, the cache holds 35; lower max_tokens to at most 60"
+    with pytest.raises(ValueError, match=refused):
+        engine.add_request("a", None, SamplingParams(max_tokens=61), prompt_token_ids=prompt)
+    engine.add_request("b", None, SamplingParams(max_tokens=60), prompt_token_ids=prompt)
+
+
 def _run_engine(path, requests, **kwargs) -> tuple[dict, "LLMEngine"]:
     """Run ``requests`` ({id: (prompt ids, SamplingParams)}) to the end, the block manager's
     invariants checked after every step; returns {id: the output token ids of each sample} and the engine."""

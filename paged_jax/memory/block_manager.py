@@ -25,12 +25,12 @@ hold (``seq.get_len()`` at the last ``allocate`` / ``append_slot``). Invariants
 - A sequence only writes into a block with reference count 1: ``append_slot``
   copies a shared partly filled last block first (copy-on-write).
 - Only blocks whose K/V are computed are findable by prefix lookup.
-- With a sliding window on every layer (of the layer group: ``hybrid_block_manager``),
-  ``sliding_window``, a table's leading entries wholly outside the window of every token
-  still to compute are *freed*: they hold no block and no reference (the null block on
-  the device, so block indices and the layout attention reads are unchanged; the window
+- With a sliding window on every layer (``sliding_window``; a layer group's layers in
+  ``hybrid_block_manager``), a table's leading entries wholly outside the window of every
+  token still to compute are *freed*: they hold no block and no reference (the null block
+  on the device, so block indices and the layout attention reads are unchanged; the window
   masks those positions). Freed entries are only leading ones, of blocks whose every token
-  is ``sliding_window`` behind the newest. A decoding sequence then holds at most
+  is ``sliding_window`` behind the newest: a decoding sequence holds at most
   ``ceil(sliding_window / block_size) + 1`` blocks.
 
 Prefix sharing (automatic prefix caching, pinned prefixes): :mod:`~paged_jax.memory.prefix_sharing`.
@@ -117,18 +117,16 @@ class BlockManager(PrefixSharing):
 
     def allocate(self, seq_group: SequenceGroup, use_prefix_cache: bool = True, reserve_tokens: int = 0,
                  match_prefix=None) -> None:
-        """Give every WAITING sequence of the group blocks covering its ``get_len()``
-        tokens. Sequences holding the same tokens (a new request's samples) share one
-        set of blocks; sequences that diverged (the samples or beams of a request
-        recomputed after preemption) share the leading full blocks they have in
-        common and own the rest. Leading blocks found in the prefix cache are reused
-        and ``num_computed_tokens`` is set to the tokens they hold (whole blocks, at
-        most ``get_len() - 1``); without a hit it is 0, and siblings sharing a block
-        both compute it in the same step (the same tokens give the same K/V).
-        ``use_prefix_cache=False`` skips the lookup (a request that wants every
-        prompt token's logprobs must compute every prompt token). ``reserve_tokens``
-        reserves blocks for that many tokens up front (see the module docstring); a
-        reserving group has one sequence."""
+        """Give every WAITING sequence of the group blocks covering its ``get_len()`` tokens.
+        Sequences holding the same tokens (a new request's samples) share one set of blocks;
+        sequences that diverged (samples or beams recomputed after preemption) share the leading
+        full blocks they have in common and own the rest. Leading blocks found in the prefix
+        cache are reused and ``num_computed_tokens`` is set to the tokens they hold (whole
+        blocks, at most ``get_len() - 1``); without a hit it is 0, and siblings sharing a block
+        both compute it in the same step (the same tokens give the same K/V). ``use_prefix_cache
+        =False`` skips the lookup (a request wanting every prompt token's logprobs computes them
+        all). ``reserve_tokens`` reserves blocks for that many tokens up front (module
+        docstring); a reserving group has one sequence. ``match_prefix``: see plan_allocation."""
         plan = self.plan_allocation(seq_group, use_prefix_cache, reserve_tokens, match_prefix)
         if reserve_tokens and len(plan.seqs) > 1:
             raise ValueError(f"request {seq_group.request_id!r}: a reservation is per sequence; "
@@ -191,8 +189,7 @@ class BlockManager(PrefixSharing):
         return copy
 
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
-        """``append_slot`` as a list of copies (none or one here; one per layer group at most in the
-        hybrid manager): what the scheduler carries out."""
+        """``append_slot``'s copy as a list (the hybrid manager's has one per layer group at most)."""
         copy = self.append_slot(seq)
         return [] if copy is None else [copy]
 
@@ -290,6 +287,9 @@ class BlockManager(PrefixSharing):
     def get_num_free_cpu_blocks(self) -> int:
         return self.cpu_allocator.num_free_blocks
 
+    def num_blocks_needed(self, prompt_len: int, total_len: int) -> int:
+        return blocks_for(total_len, self.block_size)  # at most, for one sequence, prompt to total_len tokens
+
     def get_usage(self) -> KVCacheUsage:
         """Device pool usage (O(blocks in device tables))."""
         fill, reserved = self._fill()
@@ -302,12 +302,11 @@ class BlockManager(PrefixSharing):
         """{used device block of a table: tokens it holds}, and the reserved blocks."""
         fill: dict[int, int] = {}
         reserved = 0
-        for table in self._tables.values():
-            if table.device is Device.GPU:
-                for i, block in enumerate(table.live_blocks, table.num_freed):
-                    tokens = min(self.block_size, max(0, table.num_tokens - i * self.block_size))
-                    fill[block] = max(fill.get(block, 0), tokens)
-                reserved += len(table.blocks) - blocks_for(table.num_tokens, self.block_size)
+        for table in (t for t in self._tables.values() if t.device is Device.GPU):
+            for i, block in enumerate(table.live_blocks, table.num_freed):
+                tokens = min(self.block_size, max(0, table.num_tokens - i * self.block_size))
+                fill[block] = max(fill.get(block, 0), tokens)
+            reserved += len(table.blocks) - blocks_for(table.num_tokens, self.block_size)
         return fill, reserved
 
     def check_invariants(self) -> None:

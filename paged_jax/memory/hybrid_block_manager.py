@@ -28,7 +28,7 @@ from typing import Optional
 from paged_jax.memory.block_allocator import Device, NoFreeBlocksError
 from paged_jax.memory.block_manager import AllocStatus, BlockManager
 from paged_jax.memory.block_pool import KVCacheUsage
-from paged_jax.memory.block_table import plan_growth
+from paged_jax.memory.block_table import blocks_for, plan_growth
 from paged_jax.memory.layer_groups import KVLayout
 from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
 
@@ -214,6 +214,13 @@ class HybridBlockManager:
 
     def get_num_free_cpu_blocks(self) -> int:
         return self.groups[0].get_num_free_cpu_blocks()
+
+    def num_blocks_needed(self, prompt_len: int, total_len: int) -> int:
+        """Device blocks one sequence needs at most: every group's for the whole prompt at admission, or
+        at ``total_len`` tokens the full-attention groups' all and the windowed groups' window."""
+        end = sum(blocks_for(total_len, self.block_size) if w is None else
+                  min(blocks_for(total_len, self.block_size), -(-w // self.block_size) + 1) for w in self.windows)
+        return max(self.num_groups * blocks_for(prompt_len, self.block_size), end)
 
     def get_usage(self) -> KVCacheUsage:
         """The shared device pool's usage: a token held in several groups' blocks counts in each."""
