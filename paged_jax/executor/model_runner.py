@@ -208,7 +208,8 @@ class ModelRunner:
             bar = tqdm(total=len(shapes), desc="Compiling step shapes", dynamic_ncols=True)
         try:
             for key, all_logits in shapes:
-                self._executables[(key, all_logits)] = self._compile(Batch.abstract(key, self.num_layer_groups), all_logits)
+                batch = Batch.abstract(key, self.num_layer_groups)
+                self._executables[(key, all_logits)] = self._compile(batch, all_logits)
                 self._compiled.add((key, all_logits))
                 if bar is not None:
                     bar.update(1)
