@@ -15,6 +15,7 @@ leading axis split (its ``AXES``), and :mod:`paged_jax.parallel.experts` runs ea
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Optional
 
 import jax
@@ -50,8 +51,9 @@ def stack_experts(linears: list) -> ExpertStack:
     The arrays may be numpy or JAX arrays, or the sharded loader's abstract tensors, which stand
     for a stack by their own ``stacked(parts)`` (:class:`paged_jax.parallel.checkpoint.HFTensor`)."""
     first = linears[0]
-    if not is_weight(first) or any(jax.tree.structure(w) != jax.tree.structure(first) for w in linears):
-        kinds = sorted({f"{type(w).__name__}{jax.tree.structure(w)}" for w in linears})
+    if not all(is_weight(w) for w in linears) or any(jax.tree.structure(w) != jax.tree.structure(first)
+                                                      for w in linears):
+        kinds = sorted({_describe(w) for w in linears})
         raise ValueError(f"the experts of one layer must be stored alike (one class and format), got {kinds}")
 
     def stack(*parts):
@@ -64,3 +66,12 @@ def stack_experts(linears: list) -> ExpertStack:
         return jax.numpy.stack(parts)
 
     return ExpertStack(jax.tree.map(stack, *linears))
+
+
+def _describe(w) -> str:
+    """A weight's class, static fields and the arrays it holds, e.g. ``QuantizedLinear(bits=4, ..., values, scale)``."""
+    if not is_weight(w):
+        return type(w).__name__
+    static = [f"{f}={getattr(w, f)!r}" for f in type(w).STATIC if f != "parallel"]
+    arrays = [f.name for f in dataclasses.fields(w) if f.name not in type(w).STATIC and getattr(w, f.name) is not None]
+    return f"{type(w).__name__}({', '.join(static + arrays)})"
