@@ -87,7 +87,8 @@ class LLMEngine:
         self._pending_outputs: list[RequestOutput] = []
         self.timings = {"schedule": 0.0, "execute": 0.0, "process": 0.0, "detokenize": 0.0}
         self._grammars = None  # structured output's GrammarCompiler, built for the first constrained request
-        self.spec_decoder = SpecDecoder.build(speculative_config, block_manager, scheduler_config)  # None: off
+        # None: off; a draft model (speculative_config['model']) is loaded beside the executor
+        self.spec_decoder = SpecDecoder.build(speculative_config, block_manager, scheduler_config, executor)
 
     def warm_up(self, sampling_params: Union[None, SamplingParams, list[SamplingParams]] = None,
                 progress: bool = True) -> int:

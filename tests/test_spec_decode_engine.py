@@ -116,7 +116,7 @@ def test_outputs_equal_the_same_engine_with_speculation_set_aside():
      "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min"),
     ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 2}, "unknown keys"),
-    ({"model": "draft", "num_speculative_tokens": 2}, "draft model"),
+    ({"model": 3, "num_speculative_tokens": 2}, "draft_model"),
     ("ngram", "must be a dict"),
 ])
 def test_bad_speculative_config_is_refused_with_its_name(config, message):

@@ -38,6 +38,7 @@ def test_cli_refuses_a_bad_speculative_config_naming_it(text, message, capsys):
     assert "--speculative-config" in err and message in err
 
 
+@pytest.mark.slow
 def test_cli_generate_with_speculation_prints_what_plain_decoding_gives(tiny_llama_dir, capsys):
     """Greedy: ``paged-jax generate --speculative-config ...`` prints the same completion as LLM.generate
     without speculation, and its acceptance line."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
-METHODS = ("ngram",)
+METHODS = ("ngram", "draft_model")
 # disable_by_batch_size when the dict does not give it: a verification step's cost grows with its rows'
 # tokens (k + 1 each), and on the default model (experiments/bench_spec_decode.py, README) n-gram drafts
 # paid at batch 1 and 4 and lost from batch 8 on. An explicit None speculates at every batch size (vLLM's).
@@ -21,7 +21,9 @@ class SpeculativeConfig:
     ``method="ngram"``: proposals looked up in the request's own tokens (:mod:`.ngram`), up to
     ``num_speculative_tokens`` a step, from suffixes of ``prompt_lookup_min`` to
     ``prompt_lookup_max`` tokens (vLLM's defaults: both 5 when neither is given, otherwise the
-    missing one equals the given one). ``disable_by_batch_size``: no speculation in a step that runs
+    missing one equals the given one). ``model`` (method ``"draft_model"``, implied by the key): a
+    smaller model with the target's vocabulary proposes the drafts, greedily (:mod:`.draft_model`).
+    ``disable_by_batch_size``: no speculation in a step that runs
     at least that many sequences (None: always on; not given: :data:`DEFAULT_DISABLE_BY_BATCH_SIZE`)."""
 
     method: str
@@ -29,6 +31,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int
     prompt_lookup_min: int
     disable_by_batch_size: Optional[int] = DEFAULT_DISABLE_BY_BATCH_SIZE
+    model: Optional[str] = None  # method "draft_model": the draft model's folder
 
     @classmethod
     def from_dict(cls, config: Any) -> "SpeculativeConfig":
@@ -41,10 +44,11 @@ class SpeculativeConfig:
         unknown = sorted(set(config) - set(_KEYS))
         if unknown:
             raise ValueError(f"speculative_config has unknown keys {unknown}; allowed: {list(_KEYS)}")
-        if config.get("model") is not None:
-            raise ValueError(f"speculative_config: a draft model ({config['model']!r}) is not supported yet; "
-                             "use {'method': 'ngram', ...}")
-        method = config.get("method")
+        model = config.get("model")
+        method = config.get("method", "draft_model" if model is not None else None)
+        if (method == "draft_model") != (model is not None) or (model is not None and not isinstance(model, str)):
+            raise ValueError(f"speculative_config: method 'draft_model' needs a draft model folder in 'model' "
+                             f"(a string), and only it takes one: got method={method!r}, model={model!r}")
         if method not in METHODS:
             raise ValueError(f"speculative_config['method'] must be one of {list(METHODS)}, got {method!r}")
         k = config.get("num_speculative_tokens")
@@ -64,7 +68,7 @@ class SpeculativeConfig:
         if off is not None and (not _is_int(off) or off < 2):
             raise ValueError(f"speculative_config['disable_by_batch_size'] must be None or an integer >= 2, "
                              f"got {off!r}")
-        return cls(method, k, hi, lo, off)
+        return cls(method, k, hi, lo, off, model)
 
 
 def _is_int(v: Any) -> bool:

@@ -88,20 +88,29 @@ class SpecDecoder:
     """Proposes draft tokens for a step's decoding rows and verifies the target's tokens."""
 
     @classmethod
-    def build(cls, config, block_manager: "BlockManager", scheduler_config) -> Optional["SpecDecoder"]:
-        """The engine's decoder for ``config`` (a dict or SpeculativeConfig; None: no speculation)."""
+    def build(cls, config, block_manager: "BlockManager", scheduler_config, executor=None) -> Optional["SpecDecoder"]:
+        """The engine's decoder for ``config`` (a dict or SpeculativeConfig; None: no speculation); a
+        draft model is loaded beside ``executor`` (the target's model runner)."""
         if config is None:
             return None
-        return cls(SpeculativeConfig.from_dict(config), block_manager, scheduler_config.max_model_len,
-                   scheduler_config.max_num_batched_tokens)
+        config = SpeculativeConfig.from_dict(config)
+        draft = None
+        if config.method == "draft_model":
+            from paged_jax.spec_decode.draft_model import DraftModelProposer
+
+            draft = DraftModelProposer.load(config.model, executor, config.num_speculative_tokens)
+        return cls(config, block_manager, scheduler_config.max_model_len, scheduler_config.max_num_batched_tokens,
+                   draft)
 
     def __init__(self, config: SpeculativeConfig, block_manager: "BlockManager", max_model_len: int,
-                 max_num_batched_tokens: int) -> None:
+                 max_num_batched_tokens: int, draft=None) -> None:
         self.config = config
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
         self.proposer = NgramProposer(config.num_speculative_tokens, config.prompt_lookup_min,
                                       config.prompt_lookup_max, max_model_len)
+        self.draft = draft  # a DraftModelProposer (method "draft_model"), else None
         self.stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
 
     # ---- before the step ---------------------------------------------------------------
@@ -111,26 +120,45 @@ class SpecDecoder:
         number of drafts}; rows without drafts are absent."""
         t0 = time.perf_counter()
         off = self.config.disable_by_batch_size
-        if off is not None and len(out.scheduled) >= off:
-            return {}
+        rows = [] if off is not None and len(out.scheduled) >= off else self._candidates(out)
         room = self.max_num_batched_tokens - out.num_batched_tokens
         drafts: dict[int, int] = {}
+        if self.draft is not None:  # the draft model runs every step (its cache follows the target's)
+            limits = {}
+            for i, most in rows:
+                if room > 0:
+                    limits[i] = min(most, room)
+                    room -= limits[i]
+            drafts = self.draft.propose(out, limits, self.block_manager)
+            for i, n in drafts.items():
+                out.scheduled[i].num_tokens += n
+                out.scheduled[i].block_table = self.block_manager.get_block_table(out.scheduled[i].seq)
+        else:
+            for i, most in rows:
+                if room <= 0:
+                    break
+                row = out.scheduled[i]
+                n = self._grow(row, self.proposer.propose(row.seq.get_token_ids(), min(most, room)), out)
+                if n:
+                    drafts[i] = n
+                    room -= n
+        self.stats.proposal_time += time.perf_counter() - t0
+        return drafts
+
+    def _candidates(self, out: "SchedulerOutput") -> list[tuple[int, int]]:
+        """(row index, the most drafts it may get) for the step's eligible rows: at most k, never past
+        ``max_tokens`` (the target's own token comes last) or ``max_model_len``."""
+        rows = []
         for i, row in enumerate(out.scheduled):
-            if room <= 0:
-                break
             if not _eligible(row):
                 continue
             seq, p = row.seq, row.group.sampling_params
-            limit = room
-            if p.max_tokens is not None:  # never draft past max_tokens: the target's own token comes last
-                limit = min(limit, p.max_tokens - seq.get_output_len() - 1)
-            proposal = self.proposer.propose(seq.get_token_ids(), limit) if limit > 0 else []
-            n = self._grow(row, proposal, out)
-            if n:
-                drafts[i] = n
-                room -= n
-        self.stats.proposal_time += time.perf_counter() - t0
-        return drafts
+            most = min(self.config.num_speculative_tokens, self.max_model_len - seq.get_len())
+            if p.max_tokens is not None:
+                most = min(most, p.max_tokens - seq.get_output_len() - 1)
+            if most > 0:
+                rows.append((i, most))
+        return rows
 
     def _grow(self, row: "ScheduledSeq", proposal: list[int], out: "SchedulerOutput") -> int:
         """Append the drafts to the row's sequence and table, fewer when the free blocks do not cover

@@ -1,0 +1,80 @@
+"""Draft-model speculation: a second model over the target's block tables proposes the drafts; the
+outputs equal plain decoding's (greedy, a stop string, max_tokens, seeded n = 2, preemption with prefix
+caching), every block comes back, and a draft with another vocabulary is refused."""
+
+from __future__ import annotations
+
+import pytest
+
+from paged_jax import LLM, SamplingParams
+from paged_jax.engine_args import EngineArgs
+from paged_jax.models.tiny import make_tiny_model
+
+PROMPTS = ["import os\nimport sys\nimport ", "def f(x):\n    return x\n\ndef g(", "for i in range(3):\n"]
+
+
+@pytest.fixture(scope="module")
+def other_draft(tmp_path_factory):
+    """A one-layer random model with the tiny target's tokenizer (its drafts are mostly wrong)."""
+    return make_tiny_model(tmp_path_factory.mktemp("draft"), family="llama", seed=1, num_hidden_layers=1)
+
+
+def _check_all_blocks_back(engine):
+    engine.block_manager.check_invariants()
+    engine.block_manager.reset_prefix_cache()
+    bm = engine.block_manager.gpu_allocator
+    assert bm.num_free_blocks == bm.num_total_blocks
+
+
+@pytest.mark.slow
+def test_draft_model_outputs_equal_plain_decoding(tiny_llama_dir, other_draft):
+    """A mostly wrong draft: greedy (with a stop string and a short max_tokens) and seeded n = 2 outputs
+    equal plain decoding's, through preemption (swap, for the n = 2 group) with prefix caching."""
+    target = str(tiny_llama_dir)
+    kw = dict(block_size=4, num_kv_blocks=16, max_model_len=64, max_num_seqs=4, enable_prefix_caching=True)
+    llm = LLM(target, **kw)
+    greedy = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    text = llm.generate(PROMPTS[0], greedy, use_tqdm=False)[0].outputs[0].text
+    params = [SamplingParams(temperature=0, max_tokens=24, ignore_eos=True, stop=[text[10:13]]),
+              SamplingParams(temperature=0, max_tokens=9, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, n=2, seed=3, max_tokens=16, ignore_eos=True)]
+    expected = [[c.token_ids for c in o.outputs] for o in llm.generate(PROMPTS, params, use_tqdm=False)]
+    spec = LLM(target, speculative_config={"model": str(other_draft), "num_speculative_tokens": 3}, **kw)
+    got = [[c.token_ids for c in o.outputs] for o in spec.generate(PROMPTS, params, use_tqdm=False)]
+    assert got == expected
+    stats = spec.llm_engine.get_stats()
+    assert stats["spec_decode"]["method"] == "draft_model" and stats["spec_decode"]["num_drafts"] > 0
+    assert sum(stats["num_preemptions"].values()) > 0
+    _check_all_blocks_back(spec.llm_engine)
+
+
+def test_the_target_as_its_own_draft_has_every_greedy_draft_accepted(tiny_llama_dir):
+    """The draft cache follows the target's through the same block tables (recompute preemption, a
+    fully accepted row continuing after its last draft): the target's own weights as the draft propose
+    exactly the target's greedy tokens."""
+    target = str(tiny_llama_dir)
+    spec = LLM(target, block_size=4, num_kv_blocks=16, max_model_len=64, max_num_seqs=4,
+               speculative_config={"model": target, "num_speculative_tokens": 3})
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = LLM(target, block_size=4, num_kv_blocks=64, max_model_len=64).generate(PROMPTS, params, use_tqdm=False)
+    got = spec.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    stats = spec.llm_engine.get_stats()
+    assert stats["num_preemptions"]["recompute"] > 0
+    assert stats["spec_decode"]["acceptance_rate"] >= 0.95, stats["spec_decode"]
+    assert stats["spec_decode"]["mean_acceptance_length"] > 3
+    _check_all_blocks_back(spec.llm_engine)
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path):
+    draft = make_tiny_model(tmp_path / "small-vocab", family="llama", vocab_size=256)
+    with pytest.raises(ValueError, match="vocabulary of 256 tokens, the target 512"):
+        LLM(str(tiny_llama_dir), num_kv_blocks=8, max_model_len=64,
+            speculative_config={"model": str(draft), "num_speculative_tokens": 2})
+
+
+@pytest.mark.parametrize("config", [{"method": "draft_model", "num_speculative_tokens": 2},
+                                    {"method": "ngram", "model": "draft", "num_speculative_tokens": 2}])
+def test_draft_model_method_and_model_go_together(config):
+    with pytest.raises(ValueError, match="draft_model"):
+        EngineArgs(speculative_config=config)
