@@ -100,9 +100,8 @@ class LLMEngine:
         of step shapes compiled now. With a latency target it then runs a few short internal
         requests to calibrate the step-cost model (:func:`paged_jax.step_cost.calibrate`)."""
         c = self.scheduler_config
-        # With speculative decoding, its verification steps too (an argument of ModelRunner's alone).
-        k = None if self.spec_decoder is None else self.spec_decoder.config.num_speculative_tokens
-        spec = {} if k is None else {"num_speculative_tokens": k}
+        # With speculative decoding: its draft model's steps, and the verification steps (ModelRunner's argument).
+        spec = {} if self.spec_decoder is None else self.spec_decoder.warm_up(c, progress)
         compiled = self.runner.warm_up(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len, sampling_params,
                                        self.eos_token_id, progress, **spec)
         calibrate(self)  # with a latency target: the step-cost model from a few measured steps (no-op otherwise)

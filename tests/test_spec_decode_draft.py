@@ -78,3 +78,16 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path):
 def test_draft_model_method_and_model_go_together(config):
     with pytest.raises(ValueError, match="draft_model"):
         EngineArgs(speculative_config=config)
+
+
+@pytest.mark.slow
+def test_warm_up_compiles_the_draft_models_steps(tiny_llama_dir, other_draft):
+    llm = LLM(str(tiny_llama_dir), max_model_len=64, num_kv_blocks=24, max_num_seqs=3, max_num_batched_tokens=16,
+              speculative_config={"model": str(other_draft), "num_speculative_tokens": 2})
+    engine = llm.llm_engine
+    engine.warm_up(progress=False)
+    draft = engine.spec_decoder.draft.runner
+    compiled = engine.get_stats()["num_compilations"], draft.num_compilations
+    llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
+    assert engine.get_stats()["spec_decode"]["num_drafts"] > 0
+    assert (engine.get_stats()["num_compilations"], draft.num_compilations) == compiled

@@ -218,6 +218,14 @@ class SpecDecoder:
                 break
         self.finish(seq)
 
+    def warm_up(self, scheduler_config, progress: bool = True) -> dict:
+        """Compile the draft model's steps (method "draft_model"); returns the target runner's warm-up
+        arguments for the verification steps."""
+        c = scheduler_config
+        if self.draft is not None:
+            self.draft.runner.warm_up(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len, progress=progress)
+        return {"num_speculative_tokens": self.config.num_speculative_tokens}
+
     @staticmethod
     def check_request(params: "SamplingParams") -> None:
         """Refuse what speculation cannot serve, before it is queued."""

@@ -76,7 +76,9 @@ class DraftModelProposer:
         from paged_jax.sampling_params import SamplingParams
 
         greedy = SamplingParams(temperature=0)
-        sampling = [RowSampling(greedy, (None,) if i in limits else ()) for i in range(len(out.scheduled))]
+        # Every completing row draws (only the speculating rows' draws are used): a decode step's logits then
+        # go to the sampler whole, the shapes warm-up compiled.
+        sampling = [RowSampling(greedy, (None,) if row.completes else ()) for row in out.scheduled]
         result = self.runner.execute(out, sampling)
         tokens = {i: result.samples[i][0].token_id for i in limits}
         counts = dict.fromkeys(limits, 0)
