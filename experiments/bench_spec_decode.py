@@ -74,6 +74,9 @@ def main(argv=None) -> None:
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--workloads", default="complete,edit", help="complete and/or edit (see code_prompts)")
+    ap.add_argument("--draft-model", default=None,
+                    help="also a draft-model configuration per k with this model folder as the draft ('default': "
+                         "the default model itself, acceptance's upper bound at a draft as costly as the target)")
     ap.add_argument("--disable-by-batch-size", default="default",
                     help="comma-separated disable_by_batch_size values, one n-gram configuration per k for each: a "
                          "number, 'none' (speculate at every batch size) or 'default' (the engine's default)")
@@ -93,6 +96,12 @@ def main(argv=None) -> None:
                              "prompt_lookup_min": a.lookup_min, "prompt_lookup_max": a.lookup_max}
             if off != "default":
                 configs[name]["disable_by_batch_size"] = None if off == "none" else int(off)
+    if a.draft_model:
+        from paged_jax.models.tiny import default_model_path
+
+        draft = str(default_model_path()) if a.draft_model == "default" else a.draft_model
+        for k in ks:
+            configs[f"draft k={k}"] = {"model": draft, "num_speculative_tokens": k}
     engines = {name: LLM(max_model_len=1024, max_num_seqs=max(batches), num_kv_blocks=64 * max(batches) + 1,
                          speculative_config=spec) for name, spec in configs.items()}
     print(f"{a.prompts} code prompts ({a.prompt_chars} characters of held-out standard-library files), "
