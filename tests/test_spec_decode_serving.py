@@ -122,3 +122,26 @@ def test_warm_up_compiles_the_verification_steps(tiny_llama_dir, as_rows):
     stats = engine.get_stats()
     assert stats["spec_decode"]["num_drafts"] > 0
     assert stats["num_compilations"] == compiled
+
+
+@pytest.mark.slow
+def test_server_with_speculation_answers_as_llm_and_counts_drafts(tiny_llama_dir, tmp_path):
+    """``paged-jax serve --speculative-config ...`` for real: a greedy completion equals LLM.generate's
+    without speculation, and /metrics carries the speculative decoding counters."""
+    from tests.test_server import MODEL, Server, client
+
+    srv = Server(tiny_llama_dir, tmp_path / "server.log", "--speculative-config", json.dumps(SPEC))
+    try:
+        text = client(srv).completions.create(model=MODEL, prompt=REPEATING, max_tokens=24, temperature=0) \
+            .choices[0].text
+        metrics = srv.metrics()
+    finally:
+        srv.stop()
+    plain = LLM(str(tiny_llama_dir), max_model_len=1024, num_kv_blocks=256).generate(
+        REPEATING, SamplingParams(temperature=0, max_tokens=24), use_tqdm=False)[0].outputs[0].text
+    assert text == plain
+    drafted = metrics["paged_jax_spec_decode_num_draft_tokens_total"]
+    accepted = metrics["paged_jax_spec_decode_num_accepted_tokens_total"]
+    assert 0 < accepted <= drafted
+    assert sum(v for k, v in metrics.items() if k.startswith("paged_jax_spec_decode_num_accepted_tokens_per_pos")) \
+        == accepted
