@@ -8,7 +8,7 @@ from typing import Any, Optional
 METHODS = ("ngram", "draft_model")
 # disable_by_batch_size when the dict does not give it: a verification step's cost grows with its rows'
 # tokens (k + 1 each), and on the default model (experiments/bench_spec_decode.py, README) n-gram drafts
-# paid at batch 1 and 4 and lost from batch 8 on. An explicit None speculates at every batch size (vLLM's).
+# paid at batch 1, were about even at 4 and lost at 8. An explicit None speculates at every batch size (vLLM's).
 DEFAULT_DISABLE_BY_BATCH_SIZE = 8
 _KEYS = ("method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min", "disable_by_batch_size",
          "model")
