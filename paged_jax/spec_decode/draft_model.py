@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from paged_jax.memory.block_manager import BlockManager
-    from paged_jax.scheduler import ScheduledSeq, SchedulerOutput
+    from paged_jax.scheduler import SchedulerOutput
     from paged_jax.sequence import Sequence
 
 
