@@ -424,8 +424,10 @@ def test_long_prompt_with_prefix_caching_and_preemption_gives_the_same_tokens_wi
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     results, preemptions = {}, {}
     for target in (None, 1.0):
+        # FCFS: short-first (the default with a target) serves the short prompts before the long one
+        # takes the pool, so nothing is preempted (tests/test_latency_target_hf.py preempts under it).
         engine = LLMEngine(EngineArgs(model=model, max_num_seqs=4, num_kv_blocks=200, enable_prefix_caching=True,
-                                      target_itl_ms=target))
+                                      target_itl_ms=target, scheduling_policy="fcfs"))
         calibrate(engine)
         results[target] = run_to_completion(engine, prompts, params)
         preemptions[target] = sum(engine.get_stats()["num_preemptions"].values())
