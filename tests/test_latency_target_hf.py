@@ -13,7 +13,7 @@ import pytest
 from paged_jax import LLM
 from paged_jax.step_cost import calibrate
 from tests.test_long_prompts import (LLAMA, PREEMPT_LENGTHS, PREEMPT_MAX_TOKENS, SHORT_LENGTHS, assert_all_free,
-                                     assert_matches_hf, generate, random_prompt, recorded_steps)
+                                     assert_matches_hf, first_starts, generate, random_prompt, recorded_steps)
 
 TARGET_MS = 0.5
 
@@ -73,10 +73,7 @@ def test_long_shared_prefix_cached_with_a_target_matches_hf(hf_model_dir):
     with recorded_steps(llm) as steps:
         outputs += generate(llm, [second, first])
     assert_matches_hf(path, [first, second, first], outputs)
-    starts = {}
-    for step in steps:
-        for prompt_len, start, _ in step["rows"]:
-            starts.setdefault(prompt_len, start)
+    starts = first_starts(steps)
     assert starts[len(second)] == 2_192 and starts[len(first)] == (len(first) - 1) // 16 * 16  # prefix hits
     assert_all_free(llm)
 

@@ -119,6 +119,15 @@ def recorded_steps(llm):
         runner.execute = execute
 
 
+def first_starts(steps) -> dict[int, int]:
+    """Per prompt length, the position its first recorded chunk started at (a prefix hit starts past 0)."""
+    starts: dict[int, int] = {}
+    for step in steps:
+        for prompt_len, start, _ in step["rows"]:
+            starts.setdefault(prompt_len, start)
+    return starts
+
+
 def assert_all_free(llm):
     stats = llm.llm_engine.get_stats()
     assert stats["num_free_blocks"] == stats["num_total_blocks"], stats
@@ -231,10 +240,7 @@ def test_long_shared_prefix_cached_matches_hf(hf_model_dir, variant):
         outputs += generate(llm, [second, first])
     assert_matches_hf(path, [first, second, first], outputs)
 
-    starts = {}
-    for step in steps:
-        for prompt_len, start, _ in step["rows"]:
-            starts.setdefault(prompt_len, start)
+    starts = first_starts(steps)
     assert starts[len(second)] == PREFIX_LENGTH // PREFIX_BLOCK * PREFIX_BLOCK, starts
     assert starts[len(first)] == (len(first) - 1) // PREFIX_BLOCK * PREFIX_BLOCK, starts
     assert_all_free(llm)
