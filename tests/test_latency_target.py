@@ -421,13 +421,14 @@ def test_long_prompt_with_prefix_caching_and_preemption_gives_the_same_tokens_wi
     shared = rng.integers(3, 500, size=64).tolist()
     prompts = [rng.integers(3, 500, size=3000).tolist()] + [shared + rng.integers(3, 500, size=n).tolist()
                                                             for n in (5, 40, 90)]
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    # Preemption whatever the machine's speed: the long prompt prefills at least one block (16 tokens) a
+    # step, so it holds its 188 prompt blocks within 188 steps of starting, while the short ones still
+    # decode their 200 tokens and hold 50 blocks or more by then: over the 220 in the pool.
+    params = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
     results, preemptions = {}, {}
     for target in (None, 1.0):
-        # FCFS: short-first (the default with a target) serves the short prompts before the long one
-        # takes the pool, so nothing is preempted (tests/test_latency_target_hf.py preempts under it).
-        engine = LLMEngine(EngineArgs(model=model, max_num_seqs=4, num_kv_blocks=200, enable_prefix_caching=True,
-                                      target_itl_ms=target, scheduling_policy="fcfs"))
+        engine = LLMEngine(EngineArgs(model=model, max_num_seqs=4, num_kv_blocks=220, enable_prefix_caching=True,
+                                      target_itl_ms=target))
         calibrate(engine)
         results[target] = run_to_completion(engine, prompts, params)
         preemptions[target] = sum(engine.get_stats()["num_preemptions"].values())
