@@ -1,14 +1,17 @@
 """One layer's attention over one ragged step, by backend path, side by side in one process.
 
     python experiments/bench_attention_step.py [--heads 8] [--kv-heads 8] [--head-dim 64] [--repeats 5]
+                                               [--block-chunk-contexts 4000 16000] [--backends native ...]
 
-Two steps, each through ``paged_attention_layer`` (the cache write included), jitted, the best of
-``--repeats`` timings of 10 calls kept:
+Steps, each through ``paged_attention_layer`` (the cache write included, the caches donated as the
+engine's step donates them), jitted, the best of ``--repeats`` timings of 10 calls kept:
 
 - *short prompts*: four whole prompts of 60-70 tokens (a 256-token bucket), as the prefill of many
   short requests runs;
 - *long chunk*: 16 decodes (contexts of 41) beside a 240-token chunk ending at a 4,000-token context,
-  as a long prompt's late chunk runs under chunked prefill.
+  as a long prompt's late chunk runs under chunked prefill;
+- *one block at N*: 16 decodes (contexts of 300) beside a one-block chunk ending at an N-token
+  context (``--block-chunk-contexts``): the smallest chunk a latency target runs late in a long prompt.
 
 Paths: ``native`` (the ``"auto"`` choice on a CPU: the ragged kernel takes the whole step),
 ``tiles`` (the native decode kernel plus the query tiles through the reference's blockwise jnp
@@ -30,6 +33,9 @@ def main(argv=None):
     ap.add_argument("--head-dim", type=int, default=64)
     ap.add_argument("--block-size", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--block-chunk-contexts", type=int, nargs="*", default=[4000, 16000],
+                    help="also 16 decodes beside a one-block chunk ending at each of these contexts")
+    ap.add_argument("--backends", nargs="+", default=["native", "tiles", "reference"])
     a = ap.parse_args(argv)
 
     import jax
@@ -67,7 +73,10 @@ def main(argv=None):
 
     steps = {"short prompts": [(60, 60), (70, 70), (64, 64), (62, 62)],
              "long chunk": [(1, 41)] * 16 + [(240, 4000)]}
+    for ctx in a.block_chunk_contexts:  # a latency target's smallest chunk late in a long prompt
+        steps[f"one block at {ctx:,}"] = [(1, 300)] * 16 + [(bs, ctx)]
     backends = {"native": get_backend("native"), "tiles": Tiles(), "reference": get_backend("reference")}
+    backends = {name: backends[name] for name in a.backends}
     print(f"one layer: {H} heads ({KVH} KV heads) of {D}, blocks of {bs}, float32; ms per call, best of "
           f"{a.repeats} x 10 calls")
     print("| step | " + " | ".join(backends) + " | tiles / native |")
@@ -81,19 +90,23 @@ def main(argv=None):
         meta = jax.tree.map(jnp.asarray, batch)
         ms = {}
         for bname, backend in backends.items():
+            # The caches are donated, as the engine's step donates them: otherwise each call copies
+            # them whole (for a 16k context, more than the attention itself costs).
             fn = jax.jit(lambda q, kv, kc, vc, m, b=backend: paged_attention_layer(q, kv, kv, (kc, vc), meta=m, spec=spec,
-                                                                                    backend=b)[0])
-            fn(q, kv, cache, cache, meta).block_until_ready()
+                                                                                    backend=b), donate_argnums=(2, 3))
+            caches = (cache + 0, cache + 0)
+            out, caches = fn(q, kv, *caches, meta)
+            out.block_until_ready()
             best = float("inf")
             for _ in range(a.repeats):
                 t = time.perf_counter()
                 for _ in range(10):
-                    out = fn(q, kv, cache, cache, meta)
+                    out, caches = fn(q, kv, *caches, meta)
                 out.block_until_ready()
                 best = min(best, (time.perf_counter() - t) / 10 * 1e3)
             ms[bname] = best
         print(f"| {name} (T={T}) | " + " | ".join(f"{v:.2f}" for v in ms.values()) +
-              f" | {ms['tiles'] / ms['native']:.2f}x |")
+              (f" | {ms['tiles'] / ms['native']:.2f}x |" if {"tiles", "native"} <= ms.keys() else " | - |"))
 
 
 if __name__ == "__main__":

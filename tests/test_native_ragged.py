@@ -96,6 +96,28 @@ def window_cap_case(H, KVH, D, block_size, window, cap):
     return (q, k, v, tables, lens, starts, qlens, 0.3, window, cap), want
 
 
+@pytest.mark.parametrize("H,KVH,D,block_size", SHAPES)
+@pytest.mark.parametrize("cache", ["float32", "int8"])
+def test_a_row_costing_most_of_the_step_is_split_by_heads(H, KVH, D, block_size, cache):
+    """A one-block chunk late in a long context beside short decodes, then a lone decode over a long
+    context: each costs more than a thread's share, so the kernel splits it by KV heads over the
+    threads (XLA's CPU pool has one a core); the numbers are the oracle's, in a float32 and an 8-bit
+    cache (whose entries are D + 2 bytes apart)."""
+    rng = np.random.default_rng(KVH * 100 + D)
+    for query_lens, contexts in (([1, 1, 1, block_size], [20, 33, 50, 3000]), ([1], [5000])):
+        q, k, v, tables, lens, starts, qlens = ragged_case(rng, H, KVH, D, block_size, query_lens, contexts)
+        scale = 1 / math.sqrt(D)
+        if cache == "int8":
+            k, v = (kv_quant.quantize(jnp.asarray(np.nan_to_num(x, nan=0, posinf=0)), kv_quant.storage_dtype("int8", "float32"))
+                    for x in (k, v))
+            want = oracle(q, numpy_dequantize(np.asarray(k), D), numpy_dequantize(np.asarray(v), D), tables, lens,
+                          starts, qlens, scale)
+        else:
+            want = oracle(q, k, v, tables, lens, starts, qlens, scale)
+        got = native.paged_attention(q, k, v, tables, lens, starts, qlens, scale)
+        np.testing.assert_allclose(np.asarray(got), want, rtol=3e-5, atol=3e-5)
+
+
 @pytest.mark.parametrize("window,cap", [(7, None), (40, 2.0), (None, 1.5), (1, None)])
 @pytest.mark.parametrize("H,KVH,D,block_size", [SHAPES[0], SHAPES[2]])
 def test_sliding_window_and_soft_cap(H, KVH, D, block_size, window, cap):
