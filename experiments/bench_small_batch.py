@@ -4,7 +4,8 @@ roofline floor, for this checkout and an earlier revision side by side in one ru
     python experiments/bench_small_batch.py [--before REV] [--batches 1,4] [--models tiny,124m]
 
 Models: ``tiny`` is the GPT-2-shaped model of the issue (512 wide, 8 layers, 8 heads, vocabulary
-1,024 asked, 703 in its tokenizer, random, float32); ``124m`` the GPT-2-124M shape
+1,024 asked, 703 in its tokenizer, random, float32); ``llama`` the LLaMA that ``bench_llamacpp.py``
+runs against llama.cpp (512 wide, 8 layers, intermediate 1,408); ``124m`` the GPT-2-124M shape
 (``bench_common.gpt2_124m_model``). For each model, revision and batch size, a fresh child process
 (``LLM`` with default options) runs ``batch`` greedy requests (``--prompt-len`` random tokens,
 ``--output-len`` tokens each, EOS ignored) through ``LLMEngine.step`` and times the decode steps
@@ -123,6 +124,7 @@ def main(argv=None):
     sys.path.insert(0, str(ROOT))
     sys.path.insert(0, str(ROOT / "experiments"))
     from bench_common import gpt2_124m_model
+    from bench_llamacpp import MODEL as LLAMA
     from roofline import machine_limits
 
     from paged_jax.models.tiny import make_tiny_model
@@ -133,8 +135,8 @@ def main(argv=None):
         trees = {"after": str(ROOT)} if before is None else {"before": before, "after": str(ROOT)}
         models = {}
         for name in a.models.split(","):
-            models[name] = (str(make_tiny_model(os.path.join(tmp, "tiny"), **TINY)) if name == "tiny"
-                            else gpt2_124m_model())
+            small = {"tiny": TINY, "llama": LLAMA}.get(name)
+            models[name] = str(make_tiny_model(os.path.join(tmp, name), **small)) if small else gpt2_124m_model()
         results = {}
         for name, model in models.items():
             for rep in range(a.repeats):

@@ -240,6 +240,17 @@ def _top(logprobs, num_top):
     return ids.astype(jnp.int32), vals
 
 
+def greedy_tokens(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Each row's argmax (int32[S]) and its plain log_softmax logprob (float32[S]), with no [S, V]
+    log_softmax materialised: the sampler's all-greedy path, and what the model step itself returns
+    beside its logits (``paged_jax.executor.model_runner.make_step``), so that a step asking nothing
+    but argmax needs no sampler call."""
+    logits = logits.astype(jnp.float32)
+    ids = _argmax(logits)
+    lse = jax.nn.logsumexp(logits, axis=-1)
+    return ids, jnp.take_along_axis(logits, ids[:, None], -1)[:, 0] - lse
+
+
 @jax.jit
 def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
     """Sample one token per row. ``logits``: float[S, V] with S == t.batch_size."""
@@ -252,11 +263,9 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
     if t.do_penalties:
         logits = _apply_penalties(logits, t)
     if t.all_greedy:
+        if t.num_top == 0:
+            return SamplerOutput(*greedy_tokens(logits), *_top(logits[:, :0], 0))
         ids = _argmax(logits)
-        if t.num_top == 0:  # no [S, V] log_softmax materialised
-            lse = jax.nn.logsumexp(logits, axis=-1)
-            lp = jnp.take_along_axis(logits, ids[:, None], -1)[:, 0] - lse
-            return SamplerOutput(ids, lp, *_top(logits[:, :0], 0))
         logprobs = jax.nn.log_softmax(logits, axis=-1)
     else:
         logits = logits / t.temperature[:, None]
@@ -284,4 +293,4 @@ def token_logprobs(logits: jax.Array, token_ids: jax.Array, num_top: int = 0):
     return (lp, *_top(logprobs, min(num_top, logits.shape[1])))
 
 
-__all__ = ["PAD_ID", "SamplerOutput", "SamplingTensors", "sample", "seed_for_sample", "token_logprobs"]
+__all__ = ["PAD_ID", "SamplerOutput", "SamplingTensors", "greedy_tokens", "sample", "seed_for_sample", "token_logprobs"]

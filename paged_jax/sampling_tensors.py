@@ -36,6 +36,36 @@ def _pow2_bucket(n: int, minimum: int) -> int:
 
 
 # ---- per-row parameters -------------------------------------------------------
+def is_greedy(params) -> bool:
+    """Greedy and beam-search rows take the argmax of their processed logits."""
+    return params.use_beam_search or params.temperature < _SAMPLING_EPS
+
+
+def uses_penalties(params) -> bool:
+    return params.repetition_penalty != 1.0 or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
+
+
+def banned_ids(params, num_output_tokens: int, eos_token_id: Optional[int]) -> list[int]:
+    """The ids a row may not draw now: its stop ids and EOS while ``min_tokens`` is not reached."""
+    if num_output_tokens >= params.min_tokens:
+        return []
+    ban = list(params.stop_token_ids)
+    if eos_token_id is not None and not params.ignore_eos:
+        ban.append(int(eos_token_id))
+    return ban
+
+
+def argmax_only(params, num_output_tokens: int, eos_token_id: Optional[int]) -> bool:
+    """Whether a row's sample is the plain argmax of its model's logits, with that token's logprob
+    and nothing more: greedy, not beam search, no penalties, no banned ids now, no structured-output
+    mask, no top logprobs (``logprobs=0`` asks only the token's own). :class:`SamplingTensors` of
+    such rows alone has ``all_greedy`` and no other flag, ban, mask or top-N; the model step returns
+    these tokens itself (:func:`paged_jax.sampler.greedy_tokens`)."""
+    return (not params.use_beam_search and params.temperature < _SAMPLING_EPS and not params.logprobs
+            and not uses_penalties(params) and getattr(params, "token_bitmask", None) is None
+            and not banned_ids(params, num_output_tokens, eos_token_id))
+
+
 @dataclass(frozen=True, eq=False)
 class SamplingTensors:
     """Per-row sampling parameters as arrays (a pytree; build with :meth:`from_params`).
@@ -131,8 +161,8 @@ class SamplingTensors:
         mask_rows = {}
         want_top = 0
         for i, (params, seed, prompt_ids, output_ids) in enumerate(rows):
-            is_greedy = params.use_beam_search or params.temperature < _SAMPLING_EPS
-            greedy[i] = is_greedy
+            row_greedy = is_greedy(params)
+            greedy[i] = row_greedy
             # A constrained row's mask rides on its row's params (a per-row copy made by the engine,
             # see paged_jax.structured_output.grammar.with_bitmask), so executors pass it through.
             row_mask = getattr(params, "token_bitmask", None)
@@ -144,18 +174,10 @@ class SamplingTensors:
             presence[i] = params.presence_penalty
             frequency[i] = params.frequency_penalty
             repetition[i] = params.repetition_penalty
-            uses_rep = params.repetition_penalty != 1.0
-            uses_out = uses_rep or params.presence_penalty != 0.0 or params.frequency_penalty != 0.0
-            prompt_lists.append(prompt_ids if uses_rep else ())
-            output_lists.append(output_ids if uses_out else ())
-            if len(output_ids) < params.min_tokens:
-                ban = list(params.stop_token_ids)
-                if eos_token_id is not None and not params.ignore_eos:
-                    ban.append(int(eos_token_id))
-                ban_lists.append(ban)
-            else:
-                ban_lists.append(())
-            if is_greedy:
+            prompt_lists.append(prompt_ids if params.repetition_penalty != 1.0 else ())
+            output_lists.append(output_ids if uses_penalties(params) else ())
+            ban_lists.append(banned_ids(params, len(output_ids), eos_token_id))
+            if row_greedy:
                 continue
             temperature[i] = params.temperature
             if 0 < params.top_k < V:

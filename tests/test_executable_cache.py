@@ -35,8 +35,11 @@ from paged_jax import LLM, SamplingParams, native
 llm = LLM(sys.argv[1], seed=0, num_kv_blocks=32, block_size=8, max_num_seqs=4)
 runner = llm.llm_engine.runner
 before = jax.tree.leaves(runner.kv_caches)
+# A greedy request (its tokens from the step itself) and a seeded one (through the sampler).
 outs = llm.generate(prompt_token_ids=[[5, 6, 7], [9, 10, 11, 12, 13, 14, 15, 16, 17, 18]],
-                    sampling_params=SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+                    sampling_params=[SamplingParams(temperature=0, max_tokens=10, ignore_eos=True),
+                                     SamplingParams(temperature=0.8, seed=1, max_tokens=10, ignore_eos=True)],
+                    use_tqdm=False)
 cache = runner.executable_cache
 print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "native": native.available(),
                   "on": cache is not None, "loaded": cache.loaded if cache else 0,

@@ -121,8 +121,8 @@ def test_engine_runs_a_mixed_step_as_one_model_call(tiny_llama_dir, monkeypatch)
     llm = LLM(tiny_llama_dir, num_kv_blocks=64, block_size=8, max_num_batched_tokens=16, max_model_len=128)
     engine = llm.llm_engine
     calls = []
-    run = ModelRunner.run_batch
-    monkeypatch.setattr(ModelRunner, "run_batch", lambda self, b, **kw: (calls.append(b.shape_key), run(self, b, **kw))[1])
+    run = ModelRunner.run_step
+    monkeypatch.setattr(ModelRunner, "run_step", lambda self, b, **kw: (calls.append(b.shape_key), run(self, b, **kw))[1])
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     for i in range(3):
         engine.add_request(f"s{i}", None, prompt_token_ids=[5 + i, 6, 7], sampling_params=greedy)

@@ -1,4 +1,5 @@
-"""The real executor: scheduler output -> padded arrays -> jitted step -> sampled tokens.
+"""The real executor: scheduler output -> padded arrays -> jitted step -> sampled tokens (the
+step's own argmax for a greedy batch, else the sampler: ``paged_jax.executor.sampling``).
 
 The KV cache (a list over layers of (k, v) arrays, ``[num_blocks, block_size,
 num_kv_heads, head_dim]``) is donated through every jitted call, so it is
@@ -11,25 +12,23 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Optional, Sequence
+from typing import NamedTuple, Optional, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import envs
 from paged_jax.attention import AUTO, kv_quant, select_backend
 from paged_jax.executor import executable_cache
-from paged_jax.executor.batch import Batch, bucket, prepare_batch, split_steps, warmup_shapes
+from paged_jax.executor.batch import Batch, prepare_batch, split_steps, warmup_shapes
 from paged_jax.executor.draft_rows import verification_chunks
-from paged_jax.executor.interface import RowSampling, Sample, StepResult, check_sampling, position_histories
+from paged_jax.executor.interface import RowSampling, StepResult, check_sampling
+from paged_jax.executor.sampling import StepSampler
 from paged_jax.memory import cache_ops
 from paged_jax.models import compute_logits, forward
 from paged_jax.models.config import ModelConfig
-from paged_jax.outputs import make_logprobs_dict
-from paged_jax.sampler import SamplingTensors, sample, seed_for_sample, token_logprobs
+from paged_jax.sampler import greedy_tokens
 from paged_jax.scheduler import SchedulerOutput
-from paged_jax.utils import pow2_bucket
 
 logger = logging.getLogger("paged_jax")
 
@@ -88,22 +87,30 @@ def num_blocks_for_memory(config: ModelConfig, block_size: int, nbytes: int,
     return nbytes * config.num_layers // (config.kv_bytes_per_token * block_size * layers)
 
 
-@jax.jit
-def _take_rows(x, idx):
-    return x[idx]
+class StepOutput(NamedTuple):
+    """What the jitted step returns beside the KV cache."""
+
+    logits: jax.Array  # float[rows, V]: each sequence's last token's, or every token's (all_logits)
+    # Each sequence's argmax and its logprob (paged_jax.sampler.greedy_tokens), computed in the step so
+    # that a greedy batch needs no sampler call (paged_jax.executor.sampling); None with all_logits.
+    greedy_ids: Optional[jax.Array] = None  # int32[rows]
+    greedy_logprobs: Optional[jax.Array] = None  # float32[rows]
 
 
 def make_step(config: ModelConfig, attn, kv_layout=None):
-    """The step function the runner jits: ``step(params, kv_caches, batch, all_logits) -> (logits,
+    """The step function the runner jits: ``step(params, kv_caches, batch, all_logits) -> (StepOutput,
     kv_caches)`` for attention backend ``attn`` (an object, used as given: no availability check,
     so a step for another platform can be lowered here). ``all_logits`` is static: the logits of
-    every token, or of each sequence's last one. ``kv_layout``: the cache's layer groups (``forward``)."""
+    every token, or of each sequence's last one and its greedy token. ``kv_layout``: the cache's layer
+    groups (``forward``)."""
 
     def step(params, kv_caches, batch: Batch, all_logits: bool):
         hidden, kv_caches = forward(params, config, batch.input_ids, batch.positions, kv_caches, batch, attn,
                                     rope_lengths=batch.rope_lengths, kv_layout=kv_layout)
-        rows = hidden if all_logits else hidden[batch.last_token]
-        return compute_logits(params, config, rows), kv_caches
+        if all_logits:
+            return StepOutput(compute_logits(params, config, hidden)), kv_caches
+        logits = compute_logits(params, config, hidden[batch.last_token])
+        return StepOutput(logits, *greedy_tokens(logits)), kv_caches
 
     return step
 
@@ -152,33 +159,37 @@ class ModelRunner:
         self._compiled: set = set()
         self._executables: dict = {}  # (shape_key, all_logits) -> compiled step, filled by warm_up
         self._functions: dict = {}  # (name, abstract arguments) -> compiled sampler, see _call
+        self.sampler = StepSampler(config.vocab_size, seed, self._call)
         self._step = jax.jit(make_step(config, self.attn, self.kv_layout), static_argnums=(3,), donate_argnums=(1,),
                              out_shardings=out_shardings)
         # Compiled steps on disk (None when off): a fresh process skips tracing and lowering.
         self.executable_cache = executable_cache.for_runner(config, self.attn, self.params, self.kv_caches, mesh,
                                                             compile_cache_dir)
-        self._sample_step = 0
         self.timings = {"prepare": 0.0, "cache_ops": 0.0, "device": 0.0, "sample": 0.0}
 
     @property
     def num_compilations(self) -> int:
         """Distinct step shapes compiled (``(Batch.shape_key, all_logits)``), plus sampler variants
         (this runner's from the executable cache, else process-wide) and cache-op shapes (process-wide)."""
-        return (len(self._compiled) + len(self._functions) + sample._cache_size() + _take_rows._cache_size()
+        return (len(self._compiled) + len(self._functions) + StepSampler.num_compilations()
                 + sum(cache_ops.num_compiled_shapes().values()))
 
     def run_batch(self, batch: Batch, all_logits: bool = False) -> jax.Array:
         """The forward pass; returns the logits (on the device) of each row's last token, or of every token."""
+        return self.run_step(batch, all_logits).logits
+
+    def run_step(self, batch: Batch, all_logits: bool = False) -> StepOutput:
+        """The forward pass; returns its :class:`StepOutput` (on the device)."""
         key = (batch.shape_key, all_logits)
         self._compiled.add(key)
         compiled = self._executables.get(key)
         if compiled is None and self.executable_cache is not None:  # first use: load or compile, and store
             compiled = self._executables[key] = self._compile(batch, all_logits)
         if compiled is not None:
-            logits, self.kv_caches = compiled(self.params, self.kv_caches, batch)
+            step_out, self.kv_caches = compiled(self.params, self.kv_caches, batch)
         else:
-            logits, self.kv_caches = self._step(self.params, self.kv_caches, batch, all_logits)
-        return logits
+            step_out, self.kv_caches = self._step(self.params, self.kv_caches, batch, all_logits)
+        return step_out
 
     def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                 sampling_params=None, eos_token_id: Optional[int] = None, progress: bool = True,
@@ -190,8 +201,6 @@ class ModelRunner:
         row per token of the step, or the prefill shapes computing every token's logits; and the
         sampler and row selection for up to one sampler row per token. Returns the number of step
         shapes compiled."""
-        from paged_jax.sampling_params import SamplingParams
-
         max_rows = max_num_seqs  # sampler rows; with drafts, up to one per token of the step
         if num_speculative_tokens:
             max_rows = max(max_num_seqs, min(max_num_batched_tokens, max_num_seqs * (num_speculative_tokens + 1)))
@@ -216,28 +225,8 @@ class ModelRunner:
         finally:
             if bar is not None:
                 bar.close()
-        # The sampler, once per row bucket (it runs: a [rows, vocab] argmax is cheap).
-        plist = [sampling_params or SamplingParams(temperature=0)]
-        if isinstance(sampling_params, (list, tuple)):
-            plist = list(sampling_params)
-        n = 1
-        while n <= bucket(max_rows):
-            logits = jnp.zeros((n, self.config.vocab_size), jnp.float32)
-            for p in plist:
-                seed = None if p.seed is None else seed_for_sample(p.seed, 0)
-                tensors = SamplingTensors.from_params([(p, seed, [0], [])] * n, self.config.vocab_size, pad_to=n,
-                                                      eos_token_id=eos_token_id, engine_seed=self.seed, step=0,
-                                                      num_top=pow2_bucket(p.logprobs) if p.logprobs else 0)
-                jax.block_until_ready(self._call("sample", sample, logits, tensors))
-            n *= 2
-        # A step with prefill tokens has as many logits rows as tokens (one per possible sequence):
-        # its sampled rows are taken out of them (``_take_rows``), for every bucket of rows sampled.
-        for rows in sorted({t for (t, _, _, tiles), _ in shapes if tiles}):
-            logits = jnp.zeros((rows, self.config.vocab_size), jnp.float32)
-            n = 1
-            while n <= min(rows, bucket(max_rows)):
-                jax.block_until_ready(self._call("take_rows", _take_rows, logits, np.zeros(n, np.int32)))
-                n *= 2
+        # The sampler for every row bucket, and the row selection out of each prefill shape's logits.
+        self.sampler.warm_up(max_rows, [t for (t, _, _, tiles), _ in shapes if tiles], sampling_params, eos_token_id)
         return len(shapes)
 
     def _call(self, name: str, fn, *args):
@@ -303,98 +292,21 @@ class ModelRunner:
             # runs it the host builds the sampling arrays and queues the sampler behind it, so that
             # this host work and the sampler's dispatch hide under the step (at small batches they
             # were a tenth of the step). The one wait is for the samples.
-            logits = self.run_batch(batch, all_logits=all_logits)
+            step_out = self.run_step(batch, all_logits=all_logits)
             t3 = time.perf_counter()
-            pending = self._dispatch_samples(out, sampling, [owners[c] for c in part], logits, batch, all_logits,
-                                             eos_token_id)
+            pending = self.sampler.dispatch(out, sampling, [owners[c] for c in part], step_out, batch, all_logits,
+                                            eos_token_id, self.drafts_as_rows)
             t4 = time.perf_counter()
             # Waiting for the step here (the sampler is already queued behind it) costs no overlap and
             # keeps the device time apart from sampling's: "device" is the step's dispatch plus what is
             # left of it once the host work above is done.
-            jax.block_until_ready(logits)
+            jax.block_until_ready(step_out)
             t5 = time.perf_counter()
             self.timings["device"] += (t3 - t2) + (t5 - t4)
-            self._collect_samples(sampling, pending, result)
+            self.sampler.collect(sampling, pending, result)
             for b, (i, _) in enumerate(owners[c] for c in part):
                 if i in want_prompt:
-                    result.prompt_logprobs[i] = self._prompt_logprobs(out.scheduled[i], sampling[i].prompt_logprobs,
-                                                                      logits, batch, b)
+                    result.prompt_logprobs[i] = self.sampler.prompt_logprobs(
+                        out.scheduled[i], sampling[i].prompt_logprobs, step_out.logits, batch, b)
             self.timings["sample"] += (t4 - t3) + (time.perf_counter() - t5)
         return result
-
-    def _dispatch_samples(self, out: SchedulerOutput, sampling: Sequence[RowSampling], part: list[tuple], logits,
-                          batch: Batch, all_logits: bool, eos_token_id: Optional[int]):
-        """Queue the sampler for the samples ``sampling`` asks of the batch's rows, ``part``: each
-        ``(scheduled row, its first scored position or None)`` (:func:`verification_chunks`), from
-        ``logits`` (one per batch row; possibly not computed yet). Returns ``(picks, outputs)`` for
-        :meth:`_collect_samples`: the scheduled row of each sampler row, and the sampler's output on the
-        device; None when no row samples."""
-        row_of_logits = batch.last_token if all_logits else np.arange(len(batch.last_token))
-        # One sampler row per sample asked for: its scheduled row, and its batch row's logits.
-        picks, rows, logit_rows = [], [], []
-        num_top = 0
-        for b, (i, first) in enumerate(part):
-            spec, seq = sampling[i], out.scheduled[i].seq
-            if spec.num_samples:
-                num_top = max(num_top, spec.num_top)
-            if first is not None:  # drafts: one draw at each scored position (paged_jax.spec_decode)
-                k = spec.num_speculative_tokens
-                histories = position_histories(seq.output_token_ids, k)
-                # This batch row scores positions first..last: one token (a decode row), or all k + 1 (a tile).
-                last = first if self.drafts_as_rows else k
-                for j in range(first, last + 1):
-                    picks.append(i)
-                    logit_rows.append(row_of_logits[b] - last + j)
-                    rows.append((spec.params, spec.seeds[0], seq.prompt_token_ids, histories[j]))
-                continue
-            for seed in spec.seeds:
-                picks.append(i)
-                logit_rows.append(row_of_logits[b])
-                rows.append((spec.params, seed, seq.prompt_token_ids, seq.output_token_ids))
-        if not rows:
-            return None
-        n = bucket(len(rows))
-        idx = np.zeros(n, np.int32)
-        idx[: len(rows)] = logit_rows
-        tensors = SamplingTensors.from_params(rows, self.config.vocab_size, pad_to=n, eos_token_id=eos_token_id,
-                                              engine_seed=self.seed, step=self._sample_step,
-                                              num_top=pow2_bucket(num_top) if num_top else 0)
-        self._sample_step += 1
-        # Every row samples (the usual case): the logits are already in order; padded rows are ignored.
-        same = n == logits.shape[0] and np.array_equal(idx[: len(rows)], np.arange(len(rows)))
-        rows_logits = logits if same else self._call("take_rows", _take_rows, logits, idx)
-        return picks, self._call("sample", sample, rows_logits, tensors)
-
-    def _collect_samples(self, sampling: Sequence[RowSampling], pending, result: StepResult) -> None:
-        """Wait for the sampler's outputs queued by :meth:`_dispatch_samples` and add them to ``result``."""
-        if pending is None:
-            return
-        picks, outputs = pending
-        ids, lps, top_ids, top_lps = jax.device_get(outputs)
-        for r, i in enumerate(picks):
-            spec = sampling[i]
-            entry = None if spec.logprobs is None else make_logprobs_dict(ids[r], lps[r], top_ids[r], top_lps[r],
-                                                                          spec.logprobs)
-            cands = None
-            if spec.num_candidates:
-                k = spec.num_candidates
-                cands = ([int(t) for t in top_ids[r][:k]], [float(v) for v in top_lps[r][:k]])
-            result.samples.setdefault(i, []).append(Sample(int(ids[r]), float(lps[r]), entry, cands))
-
-    def _prompt_logprobs(self, row, want: int, logits, batch: Batch, i: int) -> list[dict[int, float]]:
-        """Top-``want`` logprob entries of the prompt tokens that follow the tokens this row ran."""
-        start = int(batch.last_token[i]) - row.num_tokens + 1
-        tokens = row.seq.get_token_ids()
-        # Token at position p predicts the token at p + 1; only prompt tokens are scored.
-        last = min(row.start_pos + row.num_tokens, row.seq.get_prompt_len() - 1)
-        n = last - row.start_pos
-        if n <= 0:
-            return []
-        # Pad to a bucket so that prompt lengths do not each compile their own shape.
-        nb = bucket(n)
-        targets = np.zeros(nb, np.int32)
-        targets[:n] = tokens[row.start_pos + 1: row.start_pos + 1 + n]
-        rows = np.minimum(np.arange(nb) + start, logits.shape[0] - 1)
-        lp, top_ids, top_lps = jax.device_get(
-            token_logprobs(logits[rows], targets, num_top=bucket(want) if want else 0))
-        return [make_logprobs_dict(targets[t], lp[t], top_ids[t], top_lps[t], want) for t in range(n)]
