@@ -74,6 +74,22 @@ def test_greedy_batch_reads_the_steps_argmax(llm, tiny_llama_dir):
                                atol=1e-5)
 
 
+def test_a_step_with_many_logits_rows_takes_the_sampler(tiny_llama_dir):
+    """Past GREEDY_IN_STEP_MAX_LOGITS logits the step returns no greedy tokens: a greedy prompt whose
+    prefill step has more rows draws its first token through the sampler, the rest from the step."""
+    from paged_jax.executor.model_runner import GREEDY_IN_STEP_MAX_LOGITS
+
+    llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=64, block_size=16, max_model_len=1024,
+              max_num_batched_tokens=1024, enable_chunked_prefill=False)
+    vocab = llm.llm_engine.vocab_size
+    prompt = prompts_for(llm, 1, seed=2)[0] * 1000
+    prompt = prompt[: GREEDY_IN_STEP_MAX_LOGITS // vocab + 1]  # one row more than the bound allows
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    outs, calls = run(llm, [prompt], params)
+    assert calls == 1
+    assert [outs[0].outputs[0].token_ids] == hf_greedy(tiny_llama_dir, [prompt], 6)
+
+
 # Each asks for more than argmax: a draw, a penalty, banned EOS (min_tokens), top logprobs.
 OTHERS = {"sampled": dict(temperature=0.8, seed=3), "penalty": dict(temperature=0, presence_penalty=1.5),
           "min_tokens": dict(temperature=0, min_tokens=4), "logprobs": dict(temperature=0, logprobs=2)}

@@ -87,12 +87,20 @@ def num_blocks_for_memory(config: ModelConfig, block_size: int, nbytes: int,
     return nbytes * config.num_layers // (config.kv_bytes_per_token * block_size * layers)
 
 
+# The step computes its rows' greedy tokens only up to this many logits (rows x vocabulary, 1 MiB of
+# float32): below it the argmax costs about half the LM head's matmul, a few percent of the step, paid
+# for nothing by a batch that samples; past it its passes leave the caches (a [256, 50257] argmax took
+# 36 ms on the benchmark CPU, one [64, 50257] 2.6 ms): those batches take the sampler.
+GREEDY_IN_STEP_MAX_LOGITS = 1 << 18
+
+
 class StepOutput(NamedTuple):
     """What the jitted step returns beside the KV cache."""
 
     logits: jax.Array  # float[rows, V]: each sequence's last token's, or every token's (all_logits)
     # Each sequence's argmax and its logprob (paged_jax.sampler.greedy_tokens), computed in the step so
-    # that a greedy batch needs no sampler call (paged_jax.executor.sampling); None with all_logits.
+    # that a greedy batch needs no sampler call (paged_jax.executor.sampling); None with all_logits or
+    # more than GREEDY_IN_STEP_MAX_LOGITS logits.
     greedy_ids: Optional[jax.Array] = None  # int32[rows]
     greedy_logprobs: Optional[jax.Array] = None  # float32[rows]
 
@@ -101,8 +109,8 @@ def make_step(config: ModelConfig, attn, kv_layout=None):
     """The step function the runner jits: ``step(params, kv_caches, batch, all_logits) -> (StepOutput,
     kv_caches)`` for attention backend ``attn`` (an object, used as given: no availability check,
     so a step for another platform can be lowered here). ``all_logits`` is static: the logits of
-    every token, or of each sequence's last one and its greedy token. ``kv_layout``: the cache's layer
-    groups (``forward``)."""
+    every token, or of each sequence's last one and (up to ``GREEDY_IN_STEP_MAX_LOGITS``) its greedy
+    token. ``kv_layout``: the cache's layer groups (``forward``)."""
 
     def step(params, kv_caches, batch: Batch, all_logits: bool):
         hidden, kv_caches = forward(params, config, batch.input_ids, batch.positions, kv_caches, batch, attn,
@@ -110,6 +118,8 @@ def make_step(config: ModelConfig, attn, kv_layout=None):
         if all_logits:
             return StepOutput(compute_logits(params, config, hidden)), kv_caches
         logits = compute_logits(params, config, hidden[batch.last_token])
+        if logits.size > GREEDY_IN_STEP_MAX_LOGITS:
+            return StepOutput(logits), kv_caches
         return StepOutput(logits, *greedy_tokens(logits)), kv_caches
 
     return step

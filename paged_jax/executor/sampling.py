@@ -2,7 +2,8 @@
 the sampler over its logits.
 
 The jitted model step returns, beside the logits of each row's last token, each row's argmax and
-its logprob (:func:`paged_jax.sampler.greedy_tokens`). When every sample a batch asks for is that
+its logprob (:func:`paged_jax.sampler.greedy_tokens`; not for steps with many rows times a large
+vocabulary, see ``model_runner.GREEDY_IN_STEP_MAX_LOGITS``). When every sample a batch asks for is that
 argmax and nothing more (:func:`paged_jax.sampling_tensors.argmax_only`: greedy, no penalties, no
 banned ids, no grammar mask, no top logprobs, no draft tokens, no prompt logprobs), those arrays are
 the samples: the step is the step's one dispatch and its ``[rows]`` ids and logprobs its one read.
@@ -22,7 +23,7 @@ import numpy as np
 from paged_jax.executor.batch import Batch, bucket
 from paged_jax.executor.interface import RowSampling, Sample, StepResult, position_histories
 from paged_jax.outputs import make_logprobs_dict
-from paged_jax.sampler import SamplingTensors, sample, seed_for_sample, token_logprobs
+from paged_jax.sampler import SamplingTensors, processed_probs, sample, seed_for_sample, token_logprobs
 from paged_jax.sampling_tensors import argmax_only
 from paged_jax.scheduler import SchedulerOutput
 from paged_jax.utils import pow2_bucket
@@ -44,7 +45,7 @@ def batch_is_argmax_only(out: SchedulerOutput, sampling: Sequence[RowSampling], 
         spec = sampling[i]
         if not spec.num_samples:
             continue
-        if first is not None or spec.num_candidates or not argmax_only(
+        if first is not None or spec.num_candidates or spec.return_probs or not argmax_only(
                 spec.params, out.scheduled[i].seq.get_output_len(), eos_token_id):
             return False
     return True
@@ -100,7 +101,7 @@ class StepSampler:
         row with drafts ran as a decode row per token or as one query tile (the runner's). Returns what :meth:`collect`
         reads: the scheduled row of each sample and the arrays holding them on the device; None when
         no row samples."""
-        if batch_is_argmax_only(out, sampling, part, all_logits, eos_token_id):
+        if step_out.greedy_ids is not None and batch_is_argmax_only(out, sampling, part, all_logits, eos_token_id):
             picks = [i for b, (i, _) in enumerate(part) for _ in sampling[i].seeds]
             rows = [b for b, (i, _) in enumerate(part) for _ in sampling[i].seeds]
             return (picks, rows, (step_out.greedy_ids, step_out.greedy_logprobs)) if picks else None
@@ -143,15 +144,19 @@ class StepSampler:
         # Every row samples (the usual case): the logits are already in order; padded rows are ignored.
         same = n == logits.shape[0] and np.array_equal(idx[: len(rows)], np.arange(len(rows)))
         rows_logits = logits if same else self._call("take_rows", _take_rows, logits, idx)
-        return picks, range(len(picks)), self._call("sample", sample, rows_logits, tensors)
+        drawn = self._call("sample", sample, rows_logits, tensors)
+        if not any(sampling[i].return_probs for i in picks):
+            return picks, range(len(picks)), drawn
+        return picks, range(len(picks)), drawn, self._call("processed_probs", processed_probs, rows_logits, tensors)
 
     @staticmethod
     def collect(sampling: Sequence[RowSampling], pending, result: StepResult) -> None:
         """Wait for the samples queued by :meth:`dispatch` and add them to ``result``."""
         if pending is None:
             return
-        picks, rows, outputs = pending
+        picks, rows, outputs, *probs = pending
         ids, lps, *top = jax.device_get(outputs)
+        probs = np.asarray(jax.device_get(probs[0])) if probs else None
         top_ids, top_lps = top or (None, None)  # the step's own argmax has no top-N
         for r, i in zip(rows, picks):
             spec = sampling[i]
@@ -161,7 +166,8 @@ class StepSampler:
             if spec.num_candidates:
                 k = spec.num_candidates
                 cands = ([int(t) for t in top_ids[r][:k]], [float(v) for v in top_lps[r][:k]])
-            result.samples.setdefault(i, []).append(Sample(int(ids[r]), float(lps[r]), entry, cands))
+            dist = probs[r] if probs is not None and spec.return_probs else None
+            result.samples.setdefault(i, []).append(Sample(int(ids[r]), float(lps[r]), entry, cands, dist))
 
     @staticmethod
     def prompt_logprobs(row, want: int, logits, batch: Batch, i: int) -> list[dict[int, float]]:
