@@ -248,7 +248,7 @@ class LLMEngine:
         sampling, masks = [self._row_sampling(row) for row in out.scheduled], None
         if self._grammars is not None:
             sampling, masks = self._attach_bitmasks(out.scheduled, sampling)
-        sampling = self.spec_decoder.attach(sampling, drafts) if drafts else sampling
+        sampling = self.spec_decoder.attach(sampling, drafts, out) if drafts else sampling
         result = self.runner.execute(out, sampling, self.eos_token_id)
         if masks is not None:
             masks.result()  # done (the sampler read them); the matchers advance below

@@ -251,35 +251,55 @@ def greedy_tokens(logits: jax.Array) -> tuple[jax.Array, jax.Array]:
     return ids, jnp.take_along_axis(logits, ids[:, None], -1)[:, 0] - lse
 
 
+def _masked(logits, t: SamplingTensors):
+    """Steps 1-2: banned ids, the grammar mask, penalties."""
+    logits = _ban(logits.astype(jnp.float32), t.banned_token_ids)
+    if t.token_bitmask.shape[1]:  # static: only steps with a constrained row pay for the mask
+        logits = _apply_bitmask(logits, t.token_bitmask)
+    if t.do_penalties:
+        logits = _apply_penalties(logits, t)
+    return logits
+
+
+def _truncated(logits, t: SamplingTensors):
+    """Steps 3-6 (random rows): temperature, top-k, top-p, min-p."""
+    logits = logits / t.temperature[:, None]
+    if t.do_top_k:
+        logits = _apply_top_k(logits, t.top_k)
+    if t.do_top_p:
+        logits = _apply_top_p(logits, t.top_p)
+    if t.do_min_p:
+        logits = _apply_min_p(logits, t.min_p)
+    return logits
+
+
 @jax.jit
 def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
     """Sample one token per row. ``logits``: float[S, V] with S == t.batch_size."""
     S, V = logits.shape
     if t.temperature.shape[0] != S:
         raise ValueError(f"logits have {S} rows but the sampling tensors {t.temperature.shape[0]}")
-    logits = _ban(logits.astype(jnp.float32), t.banned_token_ids)
-    if t.token_bitmask.shape[1]:  # static: only steps with a constrained row pay for the mask
-        logits = _apply_bitmask(logits, t.token_bitmask)
-    if t.do_penalties:
-        logits = _apply_penalties(logits, t)
+    logits = _masked(logits, t)
     if t.all_greedy:
         if t.num_top == 0:
             return SamplerOutput(*greedy_tokens(logits), *_top(logits[:, :0], 0))
         ids = _argmax(logits)
         logprobs = jax.nn.log_softmax(logits, axis=-1)
     else:
-        logits = logits / t.temperature[:, None]
-        if t.do_top_k:
-            logits = _apply_top_k(logits, t.top_k)
-        if t.do_top_p:
-            logits = _apply_top_p(logits, t.top_p)
-        if t.do_min_p:
-            logits = _apply_min_p(logits, t.min_p)
+        logits = _truncated(logits, t)
         logprobs = jax.nn.log_softmax(logits, axis=-1)
         drawn = _inverse_cdf(jnp.exp(logprobs), _row_uniforms(t.key_data, t.key_offset))
         ids = jnp.where(t.greedy, _argmax(logits), drawn)
     lp = jnp.take_along_axis(logprobs, ids[:, None], -1)[:, 0]
     return SamplerOutput(ids, lp, *_top(logprobs, t.num_top))
+
+
+@jax.jit
+def processed_probs(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """float32[S, V]: the distribution each random row of :func:`sample` draws from (speculative
+    decoding's sampled drafts verify with it); a greedy row's is its penalised softmax."""
+    logits = _masked(logits, t)
+    return jax.nn.softmax(logits if t.all_greedy else _truncated(logits, t), axis=-1)
 
 
 @partial(jax.jit, static_argnames=("num_top",))
@@ -293,4 +313,4 @@ def token_logprobs(logits: jax.Array, token_ids: jax.Array, num_top: int = 0):
     return (lp, *_top(logprobs, min(num_top, logits.shape[1])))
 
 
-__all__ = ["PAD_ID", "SamplerOutput", "SamplingTensors", "greedy_tokens", "sample", "seed_for_sample", "token_logprobs"]
+__all__ = ["PAD_ID", "SamplerOutput", "SamplingTensors", "greedy_tokens", "processed_probs", "sample", "seed_for_sample", "token_logprobs"]

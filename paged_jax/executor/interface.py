@@ -13,7 +13,7 @@ cache operations and the forward pass, draws exactly what it was asked for, and 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Protocol, Sequence, Union, runtime_checkable
+from typing import TYPE_CHECKING, Any, Optional, Protocol, Sequence, Union, runtime_checkable
 
 if TYPE_CHECKING:
     from paged_jax.sampling_params import SamplingParams
@@ -35,6 +35,9 @@ class RowSampling:
     # tokens. It then gets n + 1 samples, one drawn at each of its last n + 1 positions as plain decoding
     # would draw there (the output before that position as history; its one seed), in position order.
     num_speculative_tokens: int = 0
+    # Each sample also carries the distribution it was drawn from (``Sample.probs``): speculative
+    # decoding's sampled drafts keep the draft model's q and verify them against the target's p.
+    return_probs: bool = False
 
     def __post_init__(self):
         if self.num_candidates < 0:
@@ -63,6 +66,9 @@ class Sample:
     # Rows asking for candidates (beam search): the best next tokens and their logprobs, best
     # first (see paged_jax/beam_search.py).
     candidates: Optional[tuple[list[int], list[float]]] = None
+    # Rows asking ``return_probs``: float32[V], the processed distribution (after penalties, temperature,
+    # top-k, top-p, min-p) this sample was drawn from.
+    probs: Optional[Any] = None
 
 
 @dataclass

@@ -22,9 +22,10 @@ Chen et al. accepts ``x`` with probability ``min(1, p(x) / q(x)) = p(x)`` and ot
 from ``p`` with ``x`` removed and renormalised. Drawing ``y ~ p`` and accepting when ``y == x`` is
 that rule: ``P(accept) = p(x)``, and given a rejection ``y`` follows ``p(. | y != x)``; the emitted
 token follows ``p``. Because ``y`` is drawn with the key plain decoding uses at that position, a
-seeded request gives the same tokens with or without speculation. (A draft *model* proposes from
-its own distribution ``q``: it needs the general rule, :mod:`.rejection`, with ``q`` carried across
-the border.)
+seeded request gives the same tokens with or without speculation. A draft *model* serving a sampled
+request draws its drafts from its own distribution ``q``: those rows are verified by the general rule
+instead (:mod:`.sampled`), with ``q`` kept from the proposal and the target's ``p`` returned by the
+step (``RowSampling.return_probs``).
 """
 
 from __future__ import annotations
@@ -35,6 +36,9 @@ from collections.abc import Callable, Sequence as Seq
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
+import numpy as np
+
+from paged_jax.spec_decode import sampled as sampled_drafts
 from paged_jax.spec_decode.config import SpeculativeConfig
 from paged_jax.spec_decode.ngram import NgramProposer
 
@@ -100,10 +104,10 @@ class SpecDecoder:
 
             draft = DraftModelProposer.load(config.model, executor, config.num_speculative_tokens)
         return cls(config, block_manager, scheduler_config.max_model_len, scheduler_config.max_num_batched_tokens,
-                   draft)
+                   draft, getattr(executor, "seed", 0))
 
     def __init__(self, config: SpeculativeConfig, block_manager: "BlockManager", max_model_len: int,
-                 max_num_batched_tokens: int, draft=None) -> None:
+                 max_num_batched_tokens: int, draft=None, seed: int = 0) -> None:
         self.config = config
         self.block_manager = block_manager
         self.max_num_batched_tokens = max_num_batched_tokens
@@ -112,6 +116,8 @@ class SpecDecoder:
                                       config.prompt_lookup_max, max_model_len)
         self.draft = draft  # a DraftModelProposer (method "draft_model"), else None
         self.stats = SpecDecodeStats(num_accepted_tokens_per_pos=[0] * config.num_speculative_tokens)
+        self.sampled: dict[int, sampled_drafts.SampledDrafts] = {}  # this step's sampled drafts, by sequence id
+        self.unseeded = np.random.default_rng(seed)  # unseeded requests' verification draws
 
     # ---- before the step ---------------------------------------------------------------
     def propose(self, out: "SchedulerOutput") -> dict[int, int]:
@@ -130,9 +136,14 @@ class SpecDecoder:
                     limits[i] = min(most, room)
                     room -= limits[i]
             drafts = self.draft.propose(out, limits, self.block_manager)
+            self.sampled = {}
             for i, n in drafts.items():
-                out.scheduled[i].num_tokens += n
-                out.scheduled[i].block_table = self.block_manager.get_block_table(out.scheduled[i].seq)
+                row = out.scheduled[i]
+                row.num_tokens += n
+                row.block_table = self.block_manager.get_block_table(row.seq)
+                if self.draft.probs.get(i):
+                    self.sampled[row.seq.seq_id] = sampled_drafts.SampledDrafts(
+                        np.stack(self.draft.probs[i]), sampled_drafts.row_seed(row), row.group.sampling_params.logprobs)
         else:
             for i, most in rows:
                 if room <= 0:
@@ -177,12 +188,13 @@ class SpecDecoder:
         row.block_table = bm.get_block_table(seq)
         return len(proposal)
 
-    @staticmethod
-    def attach(sampling: list["RowSampling"], drafts: dict[int, int]) -> list["RowSampling"]:
-        """The rows' sampling with each drafted row asking for the target's token at every scored position."""
+    def attach(self, sampling: list["RowSampling"], drafts: dict[int, int], out: "SchedulerOutput") -> list["RowSampling"]:
+        """The rows' sampling with each drafted row asking for the target's token at every scored
+        position, and a row with sampled drafts for the target's distribution there too."""
         sampling = list(sampling)
         for i, n in drafts.items():
-            sampling[i] = dataclasses.replace(sampling[i], num_speculative_tokens=n)
+            probs = out.scheduled[i].seq.seq_id in self.sampled
+            sampling[i] = dataclasses.replace(sampling[i], num_speculative_tokens=n, return_probs=probs)
         return sampling
 
     # ---- after the step ----------------------------------------------------------------
@@ -195,7 +207,11 @@ class SpecDecoder:
                              f"samples, got {len(samples)}")
         drafts = seq.output_token_ids[len(seq.output_token_ids) - num_drafts:]
         del seq.output_token_ids[len(seq.output_token_ids) - num_drafts:]
-        accepted = num_accepted(drafts, [s.token_id for s in samples])
+        sampled = self.sampled.pop(seq.seq_id, None)
+        if sampled is not None:  # drawn from the draft's q: the general rejection sampler
+            samples = sampled_drafts.verify(drafts, sampled, samples, self.config.num_speculative_tokens,
+                                            seq.get_output_len(), self.unseeded)
+        accepted = len(samples) - 1 if sampled is not None else num_accepted(drafts, [s.token_id for s in samples])
         seq.num_computed_tokens = seq.get_len() + accepted
         self.stats.record(num_drafts, accepted)
         return samples[:accepted + 1]

@@ -9,17 +9,22 @@ speculate get their first draft from that run; then one-token steps of the draft
 the rest, each draft appended to its sequence and covered by its table before the draft model writes
 its K/V (the last draft too: when every draft is accepted the next step starts after it).
 
-Drafts are the draft model's greedy tokens: a deterministic proposal, so the engine's verification
-(the target's token drawn at each position as plain decoding draws it, a draft accepted while equal)
-keeps greedy and seeded outputs equal to plain decoding's and sampled ones distributed as the
-target's (see :mod:`.decoder`). Where the draft cache holds something stale (blocks a fork copied
-after a step) only the acceptance suffers, never the output.
+A greedy request's drafts are the draft model's greedy tokens: a deterministic proposal, so the
+engine's verification (the target's argmax at each position, a draft accepted while equal) keeps
+the outputs equal to plain decoding's (see :mod:`.decoder`). A sampled request's drafts are drawn
+from the draft's processed distribution ``q``, kept for the rejection sampler (:mod:`.sampled`).
+Where the draft cache holds something stale (blocks a fork copied after a step) only the acceptance
+suffers, never the output.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
+
+import numpy as np
+
+from paged_jax.spec_decode.sampled import DRAFT, draw, is_sampled, position_rng, row_seed
 
 if TYPE_CHECKING:
     from paged_jax.memory.block_manager import BlockManager
@@ -44,6 +49,8 @@ class DraftModelProposer:
 
     def __init__(self, runner, k: int) -> None:
         self.runner, self.k = runner, k
+        self.unseeded = np.random.default_rng(runner.seed)  # unseeded requests' draws
+        self.probs: dict[int, list[np.ndarray]] = {}  # the last propose's sampled rows: q of each draft
 
     @classmethod
     def load(cls, path: str, target_runner, k: int) -> "DraftModelProposer":
@@ -76,19 +83,26 @@ class DraftModelProposer:
         from paged_jax.sampling_params import SamplingParams
 
         greedy = SamplingParams(temperature=0)
+        # A sampled request's rows draw with its own processing and return q (``Sample.probs``).
+        sampled = {i: RowSampling(out.scheduled[i].group.sampling_params, (row_seed(out.scheduled[i]),), return_probs=True)
+                   for i in limits if is_sampled(out.scheduled[i])}
         # Every completing row draws (only the speculating rows' draws are used): a decode step's logits then
         # go to the sampler whole, the shapes warm-up compiled.
-        sampling = [RowSampling(greedy, (None,) if row.completes else ()) for row in out.scheduled]
+        sampling = [sampled.get(i) or RowSampling(greedy, (None,) if row.completes else ())
+                    for i, row in enumerate(out.scheduled)]
         result = self.runner.execute(out, sampling)
-        tokens = {i: result.samples[i][0].token_id for i in limits}
+        tokens = {i: self._next(out.scheduled[i], result.samples[i][0]) for i in limits}
         counts = dict.fromkeys(limits, 0)
+        self.probs = {i: [] for i in sampled}
         while tokens:
             rows = []
-            for i, token in tokens.items():
+            for i, (token, q) in tokens.items():
                 row = out.scheduled[i]
                 if counts[i] == limits[i] or not self._append(row.seq, row.group, token, block_manager, out):
                     continue
                 counts[i] += 1
+                if q is not None:
+                    self.probs[i].append(q)
                 # The draft model runs every draft, the last one too: when all are accepted the next step
                 # starts after it, and the draft cache needs its K/V as the target's has it.
                 seq = row.seq
@@ -98,9 +112,16 @@ class DraftModelProposer:
             from paged_jax.scheduler import SchedulerOutput
 
             step = SchedulerOutput(scheduled=[r for _, r in rows])
-            result = self.runner.execute(step, [RowSampling(greedy, (None,))] * len(rows))
-            tokens = {i: result.samples[b][0].token_id for b, (i, _) in enumerate(rows)}
+            result = self.runner.execute(step, [sampled.get(i) or RowSampling(greedy, (None,)) for i, _ in rows])
+            tokens = {i: self._next(out.scheduled[i], result.samples[b][0]) for b, (i, _) in enumerate(rows)}
         return {i: n for i, n in counts.items() if n}
+
+    def _next(self, row, sample) -> tuple[int, "np.ndarray | None"]:
+        """The row's next draft and the q it was drawn from (None: a greedy row's argmax)."""
+        if sample.probs is None:
+            return sample.token_id, None
+        rng = position_rng(row_seed(row), row.seq.get_output_len(), DRAFT, self.unseeded)
+        return draw(sample.probs, rng), sample.probs
 
     @staticmethod
     def _append(seq: "Sequence", group, token: int, block_manager: "BlockManager", out) -> bool:
