@@ -41,7 +41,7 @@ def write_kv(k_cache, v_cache, k, v, slot_mapping):
     return k_cache, v_cache
 
 
-def paged_attention_layer(q, k, v, kv_cache, *, meta: AttentionMetadata, spec: AttentionSpec, backend):
+def paged_attention_layer(q, k, v, kv_cache, *, meta: AttentionMetadata, spec: AttentionSpec, backend, sinks=None):
     """Write this step's K/V into the paged cache, then attend through the block tables.
 
     q: [T, H, D]; k, v: [T, KVH, D] (token-flat, ragged: see :mod:`~paged_jax.attention.metadata`).
@@ -50,9 +50,15 @@ def paged_attention_layer(q, k, v, kv_cache, *, meta: AttentionMetadata, spec: A
 
     The backend attends the whole step in one call, ``ragged`` (:func:`as_ragged` gives a backend
     with only ``decode`` and ``prefill`` one that splits the step into decode rows and query tiles).
+    ``sinks`` ([H], the layer's sink logits) comes exactly when ``spec.sinks`` says the layer has them,
+    and only then reaches the backend (which declared the field, or was refused at start).
     """
+    if spec.sinks != (sinks is not None):
+        raise ValueError(f"attention spec sinks={spec.sinks} but the layer passed "
+                         f"{'no sink logits' if sinks is None else 'sink logits'}")
     k_cache, v_cache = write_kv(kv_cache[0], kv_cache[1], k, v, meta.slot_mapping)
-    return as_ragged(backend).ragged(q, k_cache, v_cache, meta, spec), (k_cache, v_cache)
+    kw = {} if sinks is None else {"sinks": sinks}
+    return as_ragged(backend).ragged(q, k_cache, v_cache, meta, spec, **kw), (k_cache, v_cache)
 
 
 register_backend(REFERENCE)

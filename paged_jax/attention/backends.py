@@ -4,7 +4,8 @@ A backend has a ``name``, declares what it honours:
 
 - ``spec_fields``: the :class:`AttentionSpec` fields beyond the scale it honours (absent: none).
   :func:`select_backend` refuses, naming the field, a layer whose spec sets a field the backend
-  has not declared (:func:`non_default_fields`);
+  has not declared (:func:`non_default_fields`). A backend declaring ``sinks`` takes the layer's
+  sink logits as a keyword argument, ``sinks`` float32 ``[H]``, in each call below (only then);
 - ``dtypes``: the cache dtypes it takes (absent: any its ``check`` accepts);
 
 and has a ``check`` method and either a ragged kernel or a decode and a prefill one:
@@ -172,31 +173,32 @@ class ReferenceBackend:
         return dict(score_mod=_chain_scores(soft_cap_mod(spec.logit_soft_cap), self.score_mod),
                     mask_mod=_both_masks(window_mask_mod(spec.sliding_window), self.mask_mod))
 
-    def prefill(self, q, k_cache, v_cache, meta, spec: AttentionSpec):
+    def prefill(self, q, k_cache, v_cache, meta, spec: AttentionSpec, sinks=None):
         # Blockwise (online softmax over K/V chunks): memory linear in the prompt, not quadratic.
         # The spec's window is passed as such (not as a hook) so that chunks before it are skipped.
         return blockwise_prefill_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, meta.query_lens,
                                        spec.scale, score_mod=_chain_scores(soft_cap_mod(spec.logit_soft_cap),
                                                                            self.score_mod),
-                                       mask_mod=self.mask_mod, sliding_window=spec.sliding_window)
+                                       mask_mod=self.mask_mod, sliding_window=spec.sliding_window, sinks=sinks)
 
-    def dense_prefill(self, q, k_cache, v_cache, meta, spec: AttentionSpec):
+    def dense_prefill(self, q, k_cache, v_cache, meta, spec: AttentionSpec, sinks=None):
         """The same prefill through :func:`paged_attention_reference` itself: one ``[Q, L]`` score
         matrix per head (quadratic memory in the prompt). What ``prefill`` ran before it went
         blockwise; kept for comparisons (``experiments/bench_long_prompt.py``)."""
         return paged_attention_reference(q, k_cache, v_cache, meta.block_tables, meta.context_lens,
-                                         meta.query_lens, spec.scale, **self._hooks(spec))
+                                         meta.query_lens, spec.scale, sinks=sinks, **self._hooks(spec))
 
-    def decode(self, q, k_cache, v_cache, meta, spec: AttentionSpec):
+    def decode(self, q, k_cache, v_cache, meta, spec: AttentionSpec, sinks=None):
         hooks = self._hooks(spec)
         # A step with prefill tokens has a row per token, most of them empty: the blockwise path
         # reads K/V only up to each group of rows' longest context (none for empty groups), where
         # the decode layout gathers every row's whole table.
         if hooks["score_mod"] is None and hooks["mask_mod"] is None and not meta.num_tiles:
-            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, spec.scale)
+            return paged_decode_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, spec.scale,
+                                          sinks=sinks)
         # The layer's decode rows have query_lens 1, or 0 for rows with nothing to attend to (their
         # output is unspecified): as a prefill of one query each, the newest.
-        return self.prefill(q[:, None], k_cache, v_cache, meta, spec)[:, 0]
+        return self.prefill(q[:, None], k_cache, v_cache, meta, spec, sinks=sinks)[:, 0]
 
 
 class NativeBackend:
@@ -207,7 +209,8 @@ class NativeBackend:
     kernel builds; the spec's sliding window and soft-cap are the kernel's arguments."""
 
     name = "native"
-    spec_fields = frozenset({"sliding_window", "logit_soft_cap"})  # kernel arguments
+    # kernel arguments; attention sinks are not one of them (a sink model runs the reference)
+    spec_fields = frozenset({"sliding_window", "logit_soft_cap"})
     dtypes = ("float32", "bfloat16", "int8", "fp8")
 
     def check(self, spec: AttentionSpec, dtype: str) -> None:

@@ -22,24 +22,26 @@ import jax.numpy as jnp
 from paged_jax.attention import kv_quant
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, tokens_per_group: int = 1024):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, tokens_per_group: int = 1024,
+                           sinks=None):
     """q: [S, num_heads, head_dim], the newest token of each sequence (at position
     ``context_lens[s] - 1``); caches ``[num_blocks, block_size, num_kv_heads, head_dim]``;
     block_tables int32 [S, max_blocks]. Returns [S, num_heads, head_dim] in q's dtype;
-    softmax in float32. Rows with ``context_lens == 0`` (padding) give unspecified values."""
+    softmax in float32. Rows with ``context_lens == 0`` (padding) give unspecified values. ``sinks``:
+    float32 [num_heads] sink logits (see :func:`~paged_jax.attention.reference.paged_attention_reference`)."""
     S = q.shape[0]
     L = block_tables.shape[1] * k_cache.shape[1]
     group = max(4, tokens_per_group // L)
     if S <= group or S % group:
-        return _decode_rows(q, k_cache, v_cache, block_tables, context_lens, scale)
+        return _decode_rows(q, k_cache, v_cache, block_tables, context_lens, scale, sinks)
     n = S // group
-    out = jax.lax.map(lambda a: _decode_rows(a[0], k_cache, v_cache, a[1], a[2], scale),
+    out = jax.lax.map(lambda a: _decode_rows(a[0], k_cache, v_cache, a[1], a[2], scale, sinks),
                       (q.reshape(n, group, *q.shape[1:]), block_tables.reshape(n, group, -1),
                        context_lens.reshape(n, group)))
     return out.reshape(q.shape)
 
 
-def _decode_rows(q, k_cache, v_cache, block_tables, context_lens, scale):
+def _decode_rows(q, k_cache, v_cache, block_tables, context_lens, scale, sinks=None):
     S, H, D = q.shape
     _, block_size, KVH, _ = k_cache.shape
     G = H // KVH
@@ -50,7 +52,12 @@ def _decode_rows(q, k_cache, v_cache, block_tables, context_lens, scale):
     qg = q.reshape(S, KVH, G, D)
     scores = jnp.einsum("skgd,skld->skgl", qg, k, preferred_element_type=jnp.float32) * scale
     valid = jnp.arange(L)[None, :] < context_lens[:, None]  # [S, L]
-    probs = jax.nn.softmax(jnp.where(valid[:, None, None, :], scores, -1e30), axis=-1)
+    scores = jnp.where(valid[:, None, None, :], scores, -1e30)
+    if sinks is None:
+        probs = jax.nn.softmax(scores, axis=-1)
+    else:  # the sink as one more key, dropped after the softmax
+        sink = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32).reshape(1, KVH, G, 1), (S, KVH, G, 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :L]
     v = jnp.where(valid[:, None, :, None], v, 0)  # a stale Inf/NaN in an unused slot must not reach probs @ v
     out = jnp.einsum("skgl,skld->skgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(S, H, D).astype(q.dtype)

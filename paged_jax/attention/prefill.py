@@ -41,7 +41,8 @@ ROWS_PER_GROUP = 32  # at most: one long row in a group makes the whole group re
 
 def blockwise_prefill_attention(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, *,
                             score_mod: Optional[ScoreMod] = None, mask_mod: Optional[MaskMod] = None,
-                            sliding_window: Optional[int] = None, q_chunk: int = 256, kv_chunk: int = 512):
+                            sliding_window: Optional[int] = None, q_chunk: int = 256, kv_chunk: int = 512,
+                            sinks=None):
     """Causal attention of each sequence's new queries over its paged K/V, blockwise.
 
     Arguments and result as :func:`paged_attention_reference` (q ``[S, Q, H, D]``, query ``i``
@@ -52,6 +53,8 @@ def blockwise_prefill_attention(q, k_cache, v_cache, block_tables, context_lens,
     skipped; pass it here rather than as a ``mask_mod`` to get the skip). ``q_chunk``: queries
     per tile; ``kv_chunk``: K/V tokens per loop step (rounded down to whole pages, at least one).
     Rows shorter than ``q_chunk`` (query tiles) go in groups of about ``q_chunk`` queries.
+    ``sinks``: float32 ``[H]`` sink logits, which start each row's online softmax (running max the
+    sink, running sum ``exp(0) = 1``, no value): the reference's extra key, at no cost per chunk.
     """
     q, k_cache, v_cache = jnp.asarray(q), jnp.asarray(k_cache), jnp.asarray(v_cache)
     block_tables = jnp.asarray(block_tables, jnp.int32)
@@ -61,7 +64,7 @@ def blockwise_prefill_attention(q, k_cache, v_cache, block_tables, context_lens,
     g = max(1, min(S, q_chunk // max(Q, 1), ROWS_PER_GROUP))  # rows per group: about q_chunk queries
     if g >= S:
         return _blockwise(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, score_mod, mask_mod,
-                          sliding_window, q_chunk, kv_chunk)
+                          sliding_window, q_chunk, kv_chunk, sinks)
     # Many rows (the query tiles of a ragged step): a group of rows at a time, each group's K/V
     # walk stopping at its own causal bound (consecutive tiles of one sequence have about the
     # same; a group of padded tiles walks none), rather than every row walking to the longest.
@@ -72,13 +75,13 @@ def blockwise_prefill_attention(q, k_cache, v_cache, block_tables, context_lens,
         return x.reshape(n, g, *x.shape[1:])
 
     out = lax.map(lambda a: _blockwise(a[0], k_cache, v_cache, a[1], a[2], a[3], scale, score_mod, mask_mod,
-                                       sliding_window, q_chunk, kv_chunk),
+                                       sliding_window, q_chunk, kv_chunk, sinks),
                   (rows(q), rows(block_tables), rows(context_lens), rows(query_lens)))
     return out.reshape(n * g, *out.shape[2:])[:S]
 
 
 def _blockwise(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, score_mod, mask_mod,
-               sliding_window, q_chunk, kv_chunk):
+               sliding_window, q_chunk, kv_chunk, sinks=None):
     S, Q, H, D = q.shape
     _, block_size, KVH, _ = k_cache.shape
     G = H // KVH
@@ -138,8 +141,11 @@ def _blockwise(q, k_cache, v_cache, block_tables, context_lens, query_lens, scal
             pv = jnp.einsum("skgql,skld->skgqd", p.astype(v.dtype), v, preferred_element_type=jnp.float32)
             return o * alpha[..., None] + pv, m_new, l * alpha + p.sum(-1)
 
-        init = (jnp.zeros((S, KVH, G, qc, D), jnp.float32), jnp.full((S, KVH, G, qc), _NEG, jnp.float32),
-                jnp.zeros((S, KVH, G, qc), jnp.float32))
+        m0, l0 = jnp.full((S, KVH, G, qc), _NEG, jnp.float32), jnp.zeros((S, KVH, G, qc), jnp.float32)
+        if sinks is not None:  # the sink is the first "key": max = sink, sum = exp(sink - sink), no value
+            m0 = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32).reshape(1, KVH, G, 1), m0.shape)
+            l0 = jnp.ones_like(l0)
+        init = (jnp.zeros((S, KVH, G, qc, D), jnp.float32), m0, l0)
         o, _, l = lax.fori_loop(lo, hi, kv_step, init)
         return (o / jnp.where(l > 0, l, 1.0)[..., None]).astype(q.dtype)
 

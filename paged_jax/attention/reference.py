@@ -21,7 +21,8 @@ MaskMod = Callable[[jax.Array, jax.Array], jax.Array]
 
 
 def paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, query_lens, scale, *,
-                              score_mod: Optional[ScoreMod] = None, mask_mod: Optional[MaskMod] = None):
+                              score_mod: Optional[ScoreMod] = None, mask_mod: Optional[MaskMod] = None,
+                              sinks=None):
     """Causal attention of each sequence's new queries over its paged K/V.
 
     q:            [S, Q, num_heads, head_dim], query ``i`` of sequence ``s`` sits at
@@ -31,6 +32,8 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, q
     block_tables: int32 [S, max_blocks]
     context_lens, query_lens: int32 [S]
     score_mod, mask_mod: optional hooks (see above) for attention variants.
+    sinks:        optional float32 [num_heads]: each head's sink logit, one more term in its softmax's
+                  denominator (``exp(sink)``) whose value is zero (:class:`AttentionSpec` ``sinks``).
     Returns [S, Q, num_heads, head_dim] in q's dtype; softmax in float32.
     """
     S, Q, H, D = q.shape
@@ -49,7 +52,11 @@ def paged_attention_reference(q, k_cache, v_cache, block_tables, context_lens, q
     if mask_mod is not None:
         mask = mask & mask_mod(q_pos, k_pos)
     scores = jnp.where(mask, scores, -1e30)
-    probs = jax.nn.softmax(scores, axis=-1)
+    if sinks is not None:  # the sink as one more key, dropped after the softmax
+        sink = jnp.broadcast_to(jnp.asarray(sinks, jnp.float32).reshape(1, KVH, G, 1, 1), (S, KVH, G, Q, 1))
+        probs = jax.nn.softmax(jnp.concatenate([scores, sink], axis=-1), axis=-1)[..., :L]
+    else:
+        probs = jax.nn.softmax(scores, axis=-1)
     # Zero the values of slots past each context: a stale Inf/NaN there must not reach probs @ v.
     v = jnp.where((jnp.arange(L)[None, :] < context_lens[:, None])[:, :, None, None], v, 0)
     out = jnp.einsum("skgql,slkd->sqkgd", probs.astype(v.dtype), v, preferred_element_type=jnp.float32)

@@ -19,6 +19,11 @@ class AttentionSpec:
     scale: float  # multiplies q . k before the softmax
     sliding_window: Optional[int] = None  # a query at position p sees keys p - window + 1 .. p
     logit_soft_cap: Optional[float] = None  # scores become cap * tanh(scores / cap) before the softmax
+    # Attention sinks (gpt-oss): a learned logit per query head joins each softmax's denominator (a key
+    # no query's value comes from), so a head may attend to nothing. The values are weights, not
+    # config: the layer passes them with each call, ``sinks`` float32 [num_heads], to backends that
+    # declare this field.
+    sinks: bool = False
 
 
 def non_default_fields(spec) -> tuple[str, ...]:

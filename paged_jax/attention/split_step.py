@@ -28,7 +28,7 @@ class SplitStep:
     def __getattr__(self, name):  # name, spec_fields, dtypes, check, decode, prefill, hooks ...
         return getattr(self.backend, name)
 
-    def ragged(self, q, k_cache, v_cache, meta, spec):
+    def ragged(self, q, k_cache, v_cache, meta, spec, **kw):  # kw: sinks, for a backend declaring them
         T, H, D = q.shape
         rows = meta
         if meta.num_tiles:
@@ -38,12 +38,12 @@ class SplitStep:
             rows = dataclasses.replace(meta, context_lens=jnp.where(single, meta.context_lens, 0),
                                        query_lens=jnp.where(single, 1, 0))
         # Padded rows' last_token is 0: their query is any token's, and their output is never read.
-        out = self.backend.decode(q[meta.last_token], k_cache, v_cache, rows, spec)
+        out = self.backend.decode(q[meta.last_token], k_cache, v_cache, rows, spec, **kw)
         out = out.at[meta.token_seq].get(mode="fill", fill_value=0)
         if meta.num_tiles:
             N, Qt = meta.num_tiles, meta.tile_size
             q_tiles = jnp.zeros((N, Qt, H, D), q.dtype).at[meta.token_tile, meta.token_tile_pos].set(q, mode="drop")
-            tiled = self.backend.prefill(q_tiles, k_cache, v_cache, meta.tiles(), spec)
+            tiled = self.backend.prefill(q_tiles, k_cache, v_cache, meta.tiles(), spec, **kw)
             tiled = tiled.at[meta.token_tile, meta.token_tile_pos].get(mode="fill", fill_value=0)
             out = jnp.where((meta.token_tile < N)[:, None, None], tiled, out)
         return out

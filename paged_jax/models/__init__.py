@@ -15,14 +15,14 @@ import dataclasses
 from typing import Any
 
 from paged_jax.attention import AttentionSpec, paged_attention_layer
-from paged_jax.models import (gemma2, gemma3, gpt2, llama, mistral, mixtral, opt, phi3, qwen2, qwen2_moe, qwen3,
-                              qwen3_moe)
+from paged_jax.models import (gemma2, gemma3, gpt2, gpt_oss, llama, mistral, mixtral, opt, phi3, qwen2, qwen2_moe,
+                              qwen3, qwen3_moe)
 from paged_jax.errors import ModelLoadError
 from paged_jax.models.config import ModelConfig, resolve_dtype
 from paged_jax.models.family import ModelFamily
 
 FAMILIES: dict[str, ModelFamily] = {m.FAMILY.name: m.FAMILY for m in (llama, opt, gpt2, qwen2, qwen3, mistral, gemma2, phi3,
-                                                                     mixtral, qwen2_moe, qwen3_moe, gemma3)}
+                                                                     mixtral, qwen2_moe, qwen3_moe, gemma3, gpt_oss)}
 
 
 def supported_architectures() -> list[str]:
@@ -72,8 +72,9 @@ class LayerAttention:
     meta: Any
     backend: Any
 
-    def __call__(self, q, k, v, kv_cache):
-        return paged_attention_layer(q, k, v, kv_cache, meta=self.meta, spec=self.spec, backend=self.backend)
+    def __call__(self, q, k, v, kv_cache, sinks=None):  # sinks: the layer's sink logits, when spec.sinks
+        return paged_attention_layer(q, k, v, kv_cache, meta=self.meta, spec=self.spec, backend=self.backend,
+                                     sinks=sinks)
 
 
 def forward(params, config: ModelConfig, input_ids, positions, kv_caches, meta, attn, rope_lengths=None,

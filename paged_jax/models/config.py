@@ -64,6 +64,7 @@ class ModelConfig:
     # Per layer "full_attention" | "sliding_attention" (None: sliding_window, if set, applies to every layer)
     layer_types: Optional[tuple[str, ...]] = None
     attn_logit_softcap: Optional[float] = None
+    attention_sinks: bool = False  # a learned sink logit per head in every softmax (gpt-oss; AttentionSpec.sinks)
     attention_scale: Optional[float] = None
     final_logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     # Mixture-of-experts layers: a paged_jax.models.moe.MoEConfig (None: dense)
@@ -86,7 +87,7 @@ class ModelConfig:
         window = self.sliding_window
         if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
             window = None
-        return AttentionSpec(self.softmax_scale, window, self.attn_logit_softcap)
+        return AttentionSpec(self.softmax_scale, window, self.attn_logit_softcap, sinks=self.attention_sinks)
 
     @property
     def rope_type(self) -> str:

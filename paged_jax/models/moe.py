@@ -15,6 +15,7 @@ tensor parallelism (expert parallelism).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +41,10 @@ class MoEConfig:
     scoring: str = "softmax"
     shared_intermediate_size: int = 0  # a shared expert every token goes through (0: none)
     shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x . w) (Qwen2-MoE)
+    # gpt-oss's clamped SwiGLU (None: plain SwiGLU): gate clamped above at the limit, up to +-limit,
+    # output (up + 1) * gate * sigmoid(alpha * gate)
+    swiglu_limit: Optional[float] = None
+    swiglu_alpha: float = 1.0
 
 
 def moe_config(cfg: dict, where: str, num_layers: int, **fields) -> MoEConfig:
@@ -69,16 +74,25 @@ def route(logits, cfg: MoEConfig):
     return weights, experts
 
 
+def clamped_swiglu(limit: float, alpha: float):
+    """gpt-oss's gating, as transformers' ``GptOssExperts`` computes it: ``(gate, up) -> hidden``."""
+    def glu(gate, up):
+        gate = jnp.minimum(gate, limit)
+        return (jnp.clip(up, -limit, limit) + 1) * (gate * jax.nn.sigmoid(gate * alpha))
+    return glu
+
+
 def moe_mlp(p, cfg: MoEConfig, x, real=None):
     """The mixture's output for normed hidden states ``x`` ``[T, H]`` (``p``: :func:`moe_params`;
     ``real``: as :func:`~paged_jax.models.moe_experts.grouped_experts` takes it)."""
     weights, experts = route(linear(x, p["router"]), cfg)
     stacks = {n: p[n] for n in ("gate", "up", "down")}
+    glu = None if cfg.swiglu_limit is None else clamped_swiglu(cfg.swiglu_limit, cfg.swiglu_alpha)
     mesh = expert_mesh(stacks)
     if mesh is None:
-        y = grouped_experts(x, weights, experts, stacks, real=real)
+        y = grouped_experts(x, weights, experts, stacks, real=real, glu=glu)
     else:
-        y = split_experts(mesh, x, weights, experts, stacks, real=real)
+        y = split_experts(mesh, x, weights, experts, stacks, real=real, glu=glu)
     y = y.astype(x.dtype)
     if "shared" in p:
         shared = llama.mlp(p["shared"], x)

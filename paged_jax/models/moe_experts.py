@@ -68,13 +68,16 @@ def window_sizes(num_rows: int) -> list[int]:
     return sizes + [num_rows]
 
 
-def swiglu(p, xs, act=jax.nn.silu):
-    """``down(act(gate(xs)) * up(xs))``; ``p``: the three stacks (``xs [E, rows, H]``) or one expert's
-    three weights (``xs [rows, H]``)."""
+def swiglu(p, xs, act=jax.nn.silu, glu=None):
+    """``down(act(gate(xs)) * up(xs))``, or ``down(glu(gate(xs), up(xs)))`` with a ``glu`` of its own
+    (gpt-oss's clamped SwiGLU); ``p``: the three stacks (``xs [E, rows, H]``) or one expert's three
+    weights (``xs [rows, H]``)."""
+    if glu is not None:
+        return p["down"](glu(p["gate"](xs), p["up"](xs)))
     return p["down"](act(p["gate"](xs)) * p["up"](xs))
 
 
-def grouped_experts(x, weights, experts, p, act=jax.nn.silu, real=None):
+def grouped_experts(x, weights, experts, p, act=jax.nn.silu, real=None, glu=None):
     """Each token's weighted sum over its chosen experts' SwiGLU MLPs, by sort-and-segment; float32.
 
     x ``[T, H]``; weights, experts ``[T, k]`` (an expert id of E or more: no expert); ``p``: the
@@ -87,13 +90,21 @@ def grouped_experts(x, weights, experts, p, act=jax.nn.silu, real=None):
         experts = jnp.where(real[:, None], experts, E)
 
     def mlp(p, xs, weight):  # [..., rows, H] -> [..., rows, H] float32, times each row's weight
-        return swiglu(p, xs, act).astype(jnp.float32) * weight[..., None]
+        return swiglu(p, xs, act, glu).astype(jnp.float32) * weight[..., None]
 
     flat = experts.reshape(-1)
     order = jnp.argsort(flat, stable=True)  # (token, slot) pairs grouped by expert
     token = (order // k).astype(jnp.int32)
     counts = jnp.bincount(flat, length=E + 1)[:E]
     starts = jnp.cumsum(counts) - counts
+
+    if all(hasattr(s, "grouped") for s in p.values()):  # the native grouped matmul: exactly the pairs' rows
+        offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts).astype(jnp.int32)])
+        rows = x[token]  # pairs of no expert sort past offsets[E]: the kernel gives them 0
+        gate, up = p["gate"].grouped(rows, offsets), p["up"].grouped(rows, offsets)
+        h = act(gate) * up if glu is None else glu(gate, up)
+        y = p["down"].grouped(h, offsets) * weights.reshape(-1)[order].astype(jnp.float32)[:, None]
+        return jnp.zeros(x.shape, jnp.float32).at[token].add(y)
     sizes = window_sizes(T)
     pad = sizes[-1]  # a window starting at the last segment may run past the end: padding rows
     rows = jnp.concatenate([x[token], jnp.zeros((pad, x.shape[1]), x.dtype)])
@@ -142,7 +153,7 @@ def expert_mesh(p):
     return mesh
 
 
-def split_experts(mesh, x, weights, experts, p, act=jax.nn.silu, real=None, exchange: str = "gather"):
+def split_experts(mesh, x, weights, experts, p, act=jax.nn.silu, real=None, exchange: str = "gather", glu=None):
     """:func:`grouped_experts` with the stacks split over ``mesh`` (each device holds E / N whole
     experts), the tokens brought to them by ``exchange`` (:data:`EXCHANGES`; see the module's notes)."""
     from jax.sharding import PartitionSpec as P
@@ -158,7 +169,7 @@ def split_experts(mesh, x, weights, experts, p, act=jax.nn.silu, real=None, exch
     def gather(x, weights, experts, real, p):
         first = jax.lax.axis_index(axis) * local
         mine = (experts >= first) & (experts < first + local)
-        out = grouped_experts(x, weights, jnp.where(mine, experts - first, local), p, act, real)
+        out = grouped_experts(x, weights, jnp.where(mine, experts - first, local), p, act, real, glu)
         return jax.lax.psum(out, axis)
 
     def all_to_all(x, weights, experts, real, p):  # this device's T / n tokens
@@ -175,7 +186,7 @@ def split_experts(mesh, x, weights, experts, p, act=jax.nn.silu, real=None, exch
         rows = jax.lax.all_to_all(rows, axis, 0, 0, tiled=True)  # [n sources, t * k, H]
         ids = jax.lax.all_to_all(ids, axis, 0, 0, tiled=True)
         y = grouped_experts(rows.reshape(-1, x.shape[1]), jnp.ones((n * t * k, 1), jnp.float32),
-                            ids.reshape(-1, 1), p, act)
+                            ids.reshape(-1, 1), p, act, glu=glu)
         y = jax.lax.all_to_all(y.reshape(n, t * k, -1), axis, 0, 0, tiled=True)  # back to the senders
         back = y[at[0], jnp.minimum(at[1], t * k - 1)] * jnp.where(sent, weights.reshape(-1), 0.0)[:, None]
         out = back.reshape(t, k, -1).sum(axis=1)
