@@ -6,8 +6,8 @@ For each build (default flags: -march=native; ``-mno-avx512f``: this CPU's AVX2 
 ``-mno-avx512f -mno-avx2 -mno-fma``: the portable loops), in its own process (the paths are fixed
 when the library is compiled) and alternating the builds round by round: microseconds per call of
 the layer matmuls of a LLaMA 512 wide (intermediate 1,408: q/k/v/o, gate+up, down, summed) at each
-row count, for XLA's float32 dot, the native float32 panels, int8, int4 (groups of 32) and
-W8A8 weights (the quantized ones as the engine runs them: on builds without AVX-512, XLA's
+row count, for XLA's float32 dot, the native float32 panels, int8, int4 (groups of 32; by the
+float32 kernel, and by the int4 x int8 one, "x q8", that ``quantization="int4"`` runs) and W8A8 weights (the quantized ones as the engine runs them: on builds without AVX-512, XLA's
 dequantize-then-matmul past ``native.quantized_native_rows``); the fastest of ``--repeats`` rounds of 20 calls, the kinds
 interleaved in each round and the builds run ``--rounds`` times in turn. Prints each one's ratio to XLA's
 float32 dot in the same process (XLA's generated code held to the same instruction set with
@@ -29,7 +29,7 @@ import time
 BUILDS = {"native": ("", None), "avx2 (AVX-512 off)": ("-mno-avx512f", "AVX2"),
           "portable": ("-mno-avx512f -mno-avx2 -mno-fma", "SSE4_2")}
 SHAPES = [(512, 1536), (512, 512), (512, 2816), (1408, 512)]  # qkv, o, gate+up, down
-KINDS = ["xla f32", "native f32", "int8", "int4 g32", "w8a8"]
+KINDS = ["xla f32", "native f32", "int8", "int4 g32", "int4 g32 x q8", "w8a8"]
 
 CHILD = r"""
 import json, sys, time
@@ -49,7 +49,8 @@ for kind in %(kinds)r:
         if kind == "native f32":
             w = to_panels({"w": w}, int8=True)["w"]
         elif kind != "xla f32":
-            w = to_panels({"w": quantize_weight(w, {"int8": "int8", "int4 g32": "int4", "w8a8": "w8a8"}[kind])}, int8=True)["w"]
+            method = {"int8": "int8", "int4 g32": "int4", "int4 g32 x q8": "int4", "w8a8": "w8a8"}[kind]
+            w = to_panels({"w": quantize_weight(w, method)}, int8=True, int4_int8=kind == "int4 g32 x q8")["w"]
         ws.append(w)
     layers[kind] = ws
 out = {}

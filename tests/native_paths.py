@@ -75,7 +75,7 @@ class Report:
                 tr.write_line(line)
         built = {(k, v) for _, s in merged.values() if s.get("ok") for k, v in s["paths"].items()}
         every = {(k, v) for k in ("attention", "linear float32", "linear quantized") for v in native.build.LINEAR_PATHS}
-        every |= {("linear int8 x int8", v) for v in native.build.INT8_PATHS}
+        every |= {(k, v) for k in ("linear int8 x int8", "linear int4 x int8") for v in native.build.INT8_PATHS}
         never = sorted(every - built)
         if never:
             tr.write_line(f"not built in this run: {', '.join(f'{k} {v}' for k, v in never)} ({_not_built()})")

@@ -199,7 +199,17 @@ for values, bits in [(rng.integers(-128, 128, size=(64, 48)).astype(np.int8), 8)
         x = jnp.asarray(rng.standard_normal((M, 64)).astype(np.float32))
         got = np.asarray(native.linear_quantized(x, panels, scales, bits, zeros))[:, :48]
         errs.append(float(np.abs(got - np.asarray(x @ p.dequantize())).max()))
-print(json.dumps({"errs": errs, "status": native.status(), "packs_weights": native.packs_weights()}))
+# int4 x int8 (activations quantized per block of 32 in the kernel): relative to q8_0's numpy oracle
+from tests.test_native_int4 import int4_case, q8_0_oracle
+int4_errs = []
+for M in (1, 2, 6):
+    q, sc, vals, x = int4_case(rng, M, 128, 96, 64)
+    got = np.asarray(native.linear_int4(jnp.asarray(x), native.pack_int4_blocks(jnp.asarray(vals)),
+                                        native.pack_padded(jnp.asarray(sc))))[:, :96]
+    want = q8_0_oracle(x, q, sc)
+    int4_errs.append(float(np.abs(got - want).max() / np.abs(want).max()))
+print(json.dumps({"errs": errs, "int4_errs": int4_errs, "status": native.status(),
+                  "packs_weights": native.packs_weights()}))
 """
 
 
@@ -210,12 +220,13 @@ def test_avx2_paths_without_avx512(tmp_path_factory):
     weights, and int8 x int8 (vpmaddwd, no VNNI); float32 weights stay with XLA's matmul there."""
     out = run_build(PORTABLE_CHECK, tmp_path_factory, "test_native_linear.py::test_avx2_paths_without_avx512")
     assert len(out["errs"]) == 12 and max(out["errs"]) < 1e-3, out["errs"]
+    assert len(out["int4_errs"]) == 3 and max(out["int4_errs"]) < 1e-6, out["int4_errs"]
     assert {"linear float32", "linear int8", "linear int4", "linear fp8",
-            "linear int8 x int8"} <= set(out["status"]["traced"])
+            "linear int8 x int8", "linear int4 x int8"} <= set(out["status"]["traced"])
     avx2 = "avx2" in native.cpu_isa()
     paths = out["status"]["paths"]
-    assert [paths["linear float32"], paths["linear quantized"], paths["linear int8 x int8"]] == \
-        ["avx2" if avx2 else "portable"] * 3
+    assert [paths["linear float32"], paths["linear quantized"], paths["linear int8 x int8"],
+            paths["linear int4 x int8"]] == ["avx2" if avx2 else "portable"] * 4
     assert out["packs_weights"] is False  # the AVX2 tiles lose to XLA's at batch 8 (bench_isa_decode.py)
     # quantized steps past so many rows go to XLA's dequantize-then-matmul there
     assert out["status"]["quantized_native_rows"] == native.QUANTIZED_NATIVE_ROWS
@@ -229,6 +240,7 @@ def test_portable_loops_without_avx2(tmp_path_factory):
     out = run_build(PORTABLE_CHECK, tmp_path_factory, "test_native_linear.py::test_portable_loops_without_avx2",
                     PORTABLE_FLAGS)
     assert len(out["errs"]) == 12 and max(out["errs"]) < 1e-3, out["errs"]
+    assert len(out["int4_errs"]) == 3 and max(out["int4_errs"]) < 1e-6, out["int4_errs"]
     assert set(out["status"]["paths"].values()) == {"portable"}
     assert out["packs_weights"] is False
 
@@ -246,7 +258,7 @@ def test_isa_paths_where_the_cpu_has_them(monkeypatch, tiny_llama_dir):
     linear = "avx512" if has else "avx2" if "avx2" in isa else "portable"
     int8 = "vnni" if has and "avx512_vnni" in isa else "avx2" if "avx2" in isa else "portable"
     assert native.paths() == {"attention": linear, "linear float32": linear,
-                              "linear quantized": linear, "linear int8 x int8": int8}
+                              "linear quantized": linear, "linear int8 x int8": int8, "linear int4 x int8": int8}
     assert native.packs_weights() == (linear == "avx512")
     assert set(native.status()["quantized_native_rows"].values()) == ({None} if linear == "avx512" else
                                                                       set(native.QUANTIZED_NATIVE_ROWS.values()))
@@ -493,8 +505,14 @@ def test_int4_on_load_is_q4_0_and_runs_on_the_kernel(method, K, group):
     assert np.all(np.abs(got - w) <= np.abs(d) + 1e-6) and not got[:group, 7].any()
     x = rng.standard_normal((3, K)).astype(np.float32)
     layer = to_panels({"w": q})["w"] if native.available() else q
-    np.testing.assert_allclose(np.asarray(layer(jnp.asarray(x))), x.astype(np.float64) @ got, rtol=1e-5,
-                               atol=1e-5 * np.sqrt(K))
+    if getattr(layer, "int8_activations", False):  # the int4 x int8 kernel: x quantized as q8_0 (test_native_int4.py)
+        from tests.test_native_int4 import q8_0_oracle
+
+        want = q8_0_oracle(x, np.asarray(q.unpacked()).astype(np.int64), np.asarray(q.scale))
+        np.testing.assert_allclose(np.asarray(layer(jnp.asarray(x))), want, rtol=0, atol=1e-6 * np.abs(want).max())
+    else:
+        np.testing.assert_allclose(np.asarray(layer(jnp.asarray(x))), x.astype(np.float64) @ got, rtol=1e-5,
+                                   atol=1e-5 * np.sqrt(K))
     with pytest.raises(ValueError, match="int4-g128.*got 'int3'"):
         quantize_layers({"layers": []}, "int3")
 

@@ -19,7 +19,7 @@ from paged_jax import envs  # a leaf module: native imports nothing else of page
 
 logger = logging.getLogger("paged_jax")
 
-SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.cc", "linear.cc", "linear_int8.cc")]
+SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.cc", "linear.cc", "linear_int8.cc", "linear_int4.cc")]
 HEADERS = [Path(__file__).with_name(f) for f in ("parallel.h", "fp8.h")]
 TARGETS = {"float32": ("paged_jax_paged_attention_f32", "PagedAttentionF32"),
            "bfloat16": ("paged_jax_paged_attention_bf16", "PagedAttentionBF16")}
@@ -33,6 +33,8 @@ SUM_TARGET = ("paged_jax_sum_f32", "SumF32")
 QUANTIZED_TARGETS = {"int8": ("paged_jax_linear_q8", "LinearQ8F32"), "uint8": ("paged_jax_linear_q4", "LinearQ4F32"),
                      "float8_e4m3fn": ("paged_jax_linear_fp8", "LinearFp8F32")}
 INT8_TARGET = ("paged_jax_linear_i8i8", "LinearI8I8")  # W8A8: int8 activations x int8 weights
+# symmetric int4 weights x float32 activations quantized to int8 per block of 32 in the kernel (q4_0 x q8_0)
+INT4_TARGET = ("paged_jax_linear_q4i8", "LinearQ4I8")
 PANEL_WIDTHS = (48, 32, 16)
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w"]
 
@@ -52,7 +54,7 @@ _state: dict = {}
 # exercised on the CPU it landed on.
 _traced: set = set()
 KERNELS = ("attention float32", "attention bfloat16", "attention int8 cache", "attention fp8 cache", "linear float32",
-           "linear int8", "linear int4", "linear fp8", "linear int8 x int8")
+           "linear int8", "linear int4", "linear fp8", "linear int8 x int8", "linear int4 x int8")
 CPU_ISA = ("avx2", "avx512f", "avx512_vnni")  # the extensions the kernels' paths are chosen by
 
 
@@ -120,12 +122,12 @@ def available() -> bool:
                     _build(path)
                 lib = ctypes.cdll.LoadLibrary(str(path))
                 for target, symbol in (*TARGETS.values(), *QUANTIZED_ATTENTION_TARGETS.values(), LINEAR_TARGET, SUM_TARGET,
-                                       *QUANTIZED_TARGETS.values(), INT8_TARGET):
+                                       *QUANTIZED_TARGETS.values(), INT8_TARGET, INT4_TARGET):
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                 _state.update(ok=True, library=str(path), flags=" ".join(_flags()),
                               linear_isa=int(lib.PagedJaxLinearIsa()), int8_isa=int(lib.PagedJaxLinearInt8Isa()),
                               int8_matmul=lib.PagedJaxLinearInt8Isa() > 0, vnni_matmul=lib.PagedJaxLinearInt8Isa() == 2,
-                              attention_isa=int(lib.PagedJaxAttentionIsa()))
+                              attention_isa=int(lib.PagedJaxAttentionIsa()), int4_isa=int(lib.PagedJaxLinearInt4Isa()))
             except Exception as e:  # no compiler, a failed build, an FFI this jaxlib lacks: run the jnp path
                 _state.update(ok=False, error=str(e))
                 logger.warning("native CPU kernels unavailable, using XLA's (jnp decode attention, XLA "
@@ -149,13 +151,14 @@ def status() -> dict:
 def paths() -> dict:
     """Which code each kernel of the built library runs, compiled in or out by the instruction set
     it was built for: {"attention", "linear float32", "linear quantized":
-    "avx512" | "avx2" | "portable", "linear int8 x int8": "vnni" | "avx2" | "portable"}; {} before a
-    successful build."""
+    "avx512" | "avx2" | "portable", "linear int8 x int8", "linear int4 x int8": "vnni" | "avx2" |
+    "portable"}; {} before a successful build."""
     if not _state.get("ok"):
         return {}
     linear = LINEAR_PATHS[_state["linear_isa"]]
     return {"attention": LINEAR_PATHS[_state["attention_isa"]], "linear float32": linear,
-            "linear quantized": linear, "linear int8 x int8": INT8_PATHS[_state["int8_isa"]]}
+            "linear quantized": linear, "linear int8 x int8": INT8_PATHS[_state["int8_isa"]],
+            "linear int4 x int8": INT8_PATHS[_state["int4_isa"]]}
 
 
 LINEAR_PATHS = ("portable", "avx2", "avx512")  # by the library's PagedJaxLinearIsa() (and PagedJaxAttentionIsa())

@@ -116,6 +116,61 @@ def linear_int8(xq, x_scale, panels, sums, scales) -> "jax.Array":
     return y.reshape(*lead, P * W)
 
 
+def pack_int4_blocks(values) -> "jax.Array":
+    """Symmetric 4-bit values ``[K / 2, N]`` uint8 (rows 2i and 2i + 1 in the low and high nibbles
+    of byte row i, stored plus 8) as the int4 x int8 kernel's panels ``[P, K / 8, W * 4]``: rows
+    eight at a time, per column four bytes, byte j holding row j in its low nibble and row 4 + j in
+    its high one (so one nibble mask gives VNNI's four consecutive rows per column); columns padded
+    to a panel width with zeros (value 0). K a multiple of 8."""
+    import jax.numpy as jnp
+
+    u = jnp.asarray(values)
+    K, N = 2 * u.shape[0], u.shape[1]
+    if u.dtype != jnp.uint8 or K % 8:
+        raise ValueError(f"pack_int4_blocks takes [K / 2, N] uint8 with K a multiple of 8; got {u.shape} {u.dtype}")
+    u = jnp.stack([u & 0xF, u >> 4], axis=1).reshape(K, N)  # row k's stored values (q + 8)
+    W = panel_width(N) or build.PANEL_WIDTHS[0]
+    u = jnp.pad(u, ((0, 0), (0, -N % W)), constant_values=8)
+    u = u.reshape(K // 8, 2, 4, -1)
+    blocks = (u[:, 0] | (u[:, 1] << 4)).astype(jnp.uint8)  # [K / 8, 4, N']
+    return blocks.reshape(K // 8, 4, -1, W).transpose(2, 0, 3, 1).reshape(-1, K // 8, W * 4)
+
+
+def unpack_int4_blocks(panels) -> "jax.Array":
+    """The weight's values q (int8, [-8, 7]) ``[K, P * W]`` from :func:`pack_int4_blocks` panels."""
+    import jax.numpy as jnp
+
+    P, K8, W4 = panels.shape
+    b = panels.reshape(P, K8, W4 // 4, 4).transpose(0, 1, 3, 2)  # [P, K / 8, 4, W]
+    u = jnp.stack([b & 0xF, b >> 4], axis=2).reshape(P, K8 * 8, W4 // 4)
+    return unpack_weight(u).astype(jnp.int8) - 8
+
+
+def linear_int4(x, panels, scale_panels, *, xla: bool = False) -> "jax.Array":
+    """``x @ w`` for symmetric 4-bit weights held as :func:`pack_int4_blocks` panels with scales
+    ``[P, G, W]`` (groups a multiple of 32 rows): on a CPU once the kernels are registered, the int4
+    x int8 kernel, which quantizes each row of x to int8 per block of 32 on the way in (llama.cpp's
+    q8_0 activations against q4_0 weights: integer dot products); else (or with ``xla``) XLA's
+    float32 matmul on the dequantized weight, x as it is. float32."""
+    import jax
+    import jax.numpy as jnp
+
+    P, K8, W4 = panels.shape
+    K, W, G = K8 * 8, W4 // 4, scale_panels.shape[1]
+    if x.shape[-1] != K or K % 32 or scale_panels.shape != (P, G, W) or K % G or (K // G) % 32:
+        raise ValueError(f"linear_int4: x {x.shape}, panels {panels.shape}, scales {scale_panels.shape} do not fit "
+                         "(K a multiple of 32, groups of a multiple of 32 rows)")
+    if xla or x.dtype != jnp.float32 or jax.default_backend() != "cpu" or not build.loaded():
+        w = unpack_int4_blocks(panels).astype(jnp.float32) * jnp.repeat(unpack_weight(scale_panels), K // G, axis=0)
+        return x @ w.astype(x.dtype)
+    lead = x.shape[:-1]
+    x2 = x.reshape(math.prod(lead), K)
+    build.trace("linear int4 x int8")
+    y = jax.ffi.ffi_call(build.INT4_TARGET[0], jax.ShapeDtypeStruct((x2.shape[0], P * W), jnp.float32))(
+        x2, panels, scale_panels)
+    return y.reshape(*lead, P * W)
+
+
 def read_sum(x) -> "jax.Array":
     """The float32 sum of ``x`` (any shape), read as the native matmul reads its weights
     (prefetched, shared over XLA's threads): the bandwidth probe of ``experiments/roofline.py``."""

@@ -57,7 +57,7 @@ class PanelQuantizedLinear:
     order, the original row of each packed row (its groups made contiguous): the input's
     features are taken in that order."""
 
-    STATIC = ("bits", "act", "out_features", "parallel")
+    STATIC = ("bits", "act", "out_features", "parallel", "int8_activations")
     AXES = {}  # one device only
     panels: Any
     scales: Any
@@ -68,10 +68,13 @@ class PanelQuantizedLinear:
     act: Optional[str] = None
     out_features: int = 0
     parallel: Optional[str] = None
+    # symmetric 4 bits as paged_jax.native.pack_int4_blocks panels [P, in / 8, W * 4], multiplied by
+    # the int4 x int8 kernel (the activations quantized to int8 per block of 32, as llama.cpp's q8_0)
+    int8_activations: bool = False
 
     @property
     def in_features(self) -> int:
-        return self.panels.shape[1] * (2 if self.bits == 4 else 1)
+        return self.panels.shape[1] * (8 if self.int8_activations else 2 if self.bits == 4 else 1)
 
     def __call__(self, x):
         dtype = x.dtype
@@ -81,8 +84,11 @@ class PanelQuantizedLinear:
             x = jnp.take(x, self.order, axis=-1)
         # past so many rows (a long prefill chunk) XLA's dequantize-then-matmul is the faster, on some builds
         limit = native.quantized_native_rows(self.panels.dtype.name)
-        y = native.linear_quantized(x, self.panels, self.scales, self.bits, self.zeros,
-                                    xla=limit is not None and math.prod(x.shape[:-1]) > limit)
+        xla = limit is not None and math.prod(x.shape[:-1]) > limit
+        if self.int8_activations:
+            y = native.linear_int4(x, self.panels, self.scales, xla=xla)
+        else:
+            y = native.linear_quantized(x, self.panels, self.scales, self.bits, self.zeros, xla=xla)
         if y.shape[-1] != self.out_features:
             y = y[..., :self.out_features]
         y = y.astype(dtype)
@@ -187,6 +193,14 @@ def pack_quantized(p: QuantizedLinear):
     return native.pack_padded(jnp.asarray(values)), native.pack_padded(per_column(p.scale)), zero, order
 
 
+def int4_int8_packable(p: QuantizedLinear) -> bool:
+    """Whether the int4 x int8 kernel takes a :func:`quantized_packable` weight: symmetric 4 bits
+    (no zero points), no activation rounding of its own, inputs and groups of rows multiples of 32
+    (q8_0's activation block)."""
+    return p.bits == 4 and p.zero is None and p.act is None and p.in_features % 32 == 0 and \
+        p._block(p.values.shape[1])[0] % 32 == 0 and quantized_packable(p)
+
+
 def int8_packable(p: QuantizedLinear) -> bool:
     """Whether :func:`pack_int8` takes a ``QuantizedLinear``: W8A8 (int8 activations per token,
     ``act="int8"``) with int8 weights and one scale per column or for the tensor, no zero points
@@ -207,13 +221,16 @@ def pack_int8(p: QuantizedLinear):
     return panels, sums, scales
 
 
-def to_panels(params, floats: bool = True, int8: Optional[bool] = None):
+def to_panels(params, floats: bool = True, int8: Optional[bool] = None, int4_int8: bool = False):
     """A copy of a model's params with each weight object the native kernels take stored as
     panels (by type, not by name; everything else stays as it was). ``floats=False``: the
     quantized weights only (without AVX-512 or AVX2 the float matmul's portable loops are slower than
     XLA's; the quantized one's are still far faster than XLA's dequantize-then-dot). ``int8``: W8A8
     weights to the int8 x int8 kernel (default: where the library was built with its integer tiles,
-    AVX-512 VNNI or AVX2's vpmaddwd; its portable loops are slower than float32)."""
+    AVX-512 VNNI or AVX2's vpmaddwd; its portable loops are slower than float32). ``int4_int8``:
+    symmetric int4 weights to the int4 x int8 kernel (:func:`int4_int8_packable`), the activations
+    quantized to int8 per block of 32 as llama.cpp's q8_0 (``quantization="int4"`` on load asks for
+    it; a W4A16 checkpoint keeps its activations, the float32 kernel)."""
     if int8 is None:
         int8 = bool(native.status().get("int8_matmul"))
 
@@ -223,8 +240,11 @@ def to_panels(params, floats: bool = True, int8: Optional[bool] = None):
             return PanelInt8Linear(panels, sums, scales, x.b, out_features=x.values.shape[1], parallel=x.parallel)
         if isinstance(x, QuantizedLinear) and quantized_packable(x):
             panels, scales, zeros, order = pack_quantized(x)
+            blocks = int4_int8 and int4_int8_packable(x)
+            if blocks:  # the same values, regrouped for the integer kernel
+                panels = native.pack_int4_blocks(native.unpack_weight(panels))
             return PanelQuantizedLinear(panels, scales, zeros, order, x.b, bits=x.bits, act=x.act,
-                                        out_features=x.values.shape[1], parallel=x.parallel)
+                                        out_features=x.values.shape[1], parallel=x.parallel, int8_activations=blocks)
         if floats and isinstance(x, DenseLinear) and x.w.ndim == 2 and x.w.dtype == jnp.float32:
             return PanelLinear(native.pack_padded(x.w), x.b, out_features=x.w.shape[1], parallel=x.parallel)
         if floats and isinstance(x, DenseEmbedding) and x.tied and x.table.dtype == jnp.float32:
