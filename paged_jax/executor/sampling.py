@@ -152,7 +152,9 @@ class StepSampler:
         if pending is None:
             return
         picks, rows, outputs = pending
-        ids, lps, *top = jax.device_get(outputs)
+        # Leaf by leaf: on the CPU jax.device_get's asynchronous copies took 0.1-0.2 ms after a step,
+        # np.asarray's zero-copy views 0.01-0.03 ms (at batch 1 a step is 2-3 ms).
+        ids, lps, *top = [np.asarray(x) for x in outputs]
         top_ids, top_lps = top or (None, None)  # the step's own argmax has no top-N
         for r, i in zip(rows, picks):
             spec = sampling[i]
