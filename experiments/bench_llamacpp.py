@@ -2,6 +2,7 @@
 48 requests at once (llama-server with continuous batching), float32, 8-bit and 4-bit weights.
 
     python experiments/bench_llamacpp.py [--rounds 3] [--isa native|avx2] [--llama-threads 2] [--cache DIR]
+                                         [--batch-1-only]
 
 llama.cpp's tools are built once from the llama-cpp-python source distribution on PyPI
 (``pip download --no-binary``; CMake, ``-DGGML_NATIVE=ON``, only llama-bench, llama-server and
@@ -211,6 +212,7 @@ def main(argv=None):
     ap.add_argument("--llama-threads", type=int, nargs="+", default=[2],
                     help="llama.cpp's thread counts, the best kept (on a loaded machine -t 1 can beat -t 2)")
     ap.add_argument("--build-only", action="store_true", help="build llama.cpp's tools and stop")
+    ap.add_argument("--batch-1-only", action="store_true", help="only the batch-1 decode table (no 48 requests)")
     a = ap.parse_args(argv)
     if a.isa == "avx2" and os.environ.get("PAGED_JAX_NATIVE_FLAGS") is None:  # hold paged-jax to AVX2 too: re-run
         env = dict(os.environ, PAGED_JAX_NATIVE_FLAGS="-mno-avx512f",
@@ -237,7 +239,8 @@ def main(argv=None):
             engines[name] = LLM(str(model), quantization=q, max_model_len=512, num_kv_blocks=blocks,
                                 max_num_seqs=REQUESTS)
             paged_jax_decode(engines[name], prompt)  # compiles what the cells reach
-            paged_jax_batch(engines[name], prompts)
+            if not a.batch_1_only:
+                paged_jax_batch(engines[name], prompts)
         best: dict = {}
         tokens: dict = {}
         for r in range(a.rounds):
@@ -247,6 +250,8 @@ def main(argv=None):
                          ("llama.cpp", "batch"): lambda: max((llama_server(bin_dir, ggufs[fmt], prompts, a.port, t)
                                                               for t in a.llama_threads), key=lambda o: o[0]),
                          ("paged-jax", "batch"): lambda: paged_jax_batch(engines[name], prompts)}
+                if a.batch_1_only:
+                    cells = {k: f for k, f in cells.items() if k[1] == "decode"}
                 for (engine, kind), f in cells.items():
                     out = f()
                     rate, toks = out if isinstance(out, tuple) else (out, None)
@@ -268,6 +273,8 @@ def main(argv=None):
     for n, (fmt, q) in FORMATS.items():
         lc, pj = best["llama.cpp", "decode", n], best["paged-jax", "decode", n]
         print(f"| {n} ({fmt} / quantization={q!r}) | {lc:.1f} | {pj:.1f} | {pj / lc:.2f}x |")
+    if a.batch_1_only:
+        return
     print(f"\n| {REQUESTS} requests, prompts {LENS[0]}-{LENS[1]}, {OUT_LEN} tokens out, output tokens/s | llama.cpp "
           f"(llama-server -np {REQUESTS} -cb -t {t}) | paged-jax (second call) | over it |")
     print("|---|---:|---:|---:|")
