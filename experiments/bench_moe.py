@@ -28,7 +28,9 @@ import numpy as np
 
 import bench_common  # noqa: F401  (puts this checkout on the path)
 from paged_jax.models import moe, moe_experts
+from paged_jax import native
 from paged_jax.weights import DenseLinear, ExpertStack
+from paged_jax.weights.experts import PanelExpertStack
 
 
 def dense_all_experts(x, router, gate_up, down, cfg):
@@ -76,22 +78,30 @@ def time_layer(a) -> None:
     args = (router, gate_up, down)
     # the engine's layout: gate, up and down each an ExpertStack
     stacks = {"gate": gate_up[..., :I], "up": gate_up[..., I:], "down": down}
-    stacks = (router, {n: ExpertStack(DenseLinear(w)) for n, w in stacks.items()})
+    stacks = {n: ExpertStack(DenseLinear(w)) for n, w in stacks.items()}
     variants = {"dense all experts": lambda x, w: dense_all_experts(x, *w, cfg),
                 "ragged_dot": lambda x, w: ragged(x, *w, cfg),
                 "sort+segment": lambda x, w: segmented(x, *w, cfg),
+                "native grouped": lambda x, w: segmented(x, *w, cfg),
                 "dense MLP, same active": lambda x, w: dense_active(x, *w)}
     weights = {n: (active_gate_up, active_down) if n.startswith("dense MLP") else args for n in variants}
-    weights["sort+segment"] = stacks
+    weights["sort+segment"] = (router, stacks)
+    if native.available() and native.packs_weights():  # what the engine runs on this CPU (PanelExpertStack)
+        weights["native grouped"] = (router, {n: PanelExpertStack.pack(s) for n, s in stacks.items()})
+    else:
+        del variants["native grouped"], weights["native grouped"]
     print(f"one MoE layer: {E} experts, top-{k}, hidden {H}, expert width {I}, float32, "
           f"median ms of {a.repeats} rounds ({jax.devices()[0].device_kind})")
+    best = "native grouped" if "native grouped" in variants else "sort+segment"  # the engine's
     print(f"{'tokens':>6} " + " ".join(f"{n:>22}" for n in variants) +
-          "   dense/segment  ragged/segment  segment/same-active")
+          f"   dense/segment  dense/grouped  ragged/segment  {'grouped/same-active':>19}   ({best!r} as grouped)")
     for T in a.batches:
         x = jnp.asarray(0.5 * rng.standard_normal((T, H)), jnp.float32)
         fns = {n: jax.jit(f) for n, f in variants.items()}
         outs = {n: np.asarray(f(x, weights[n])) for n, f in fns.items()}
-        for n in ("dense all experts", "ragged_dot"):  # the same function
+        for n in fns:  # the same function
+            if n.startswith("dense MLP") or n == "sort+segment":
+                continue
             np.testing.assert_allclose(outs[n], outs["sort+segment"], rtol=2e-4, atol=2e-4)
         times = {n: [] for n in fns}
         for _ in range(a.repeats):
@@ -101,10 +111,10 @@ def time_layer(a) -> None:
                     f(x, weights[n]).block_until_ready()
                 times[n].append((time.perf_counter() - t) / 5 * 1e3)
         ms = {n: statistics.median(v) for n, v in times.items()}
-        seg = ms["sort+segment"]
+        seg, dense = ms["sort+segment"], ms["dense all experts"]
         print(f"{T:>6} " + " ".join(f"{ms[n]:>22.3f}" for n in fns) +
-              f"   {ms['dense all experts'] / seg:>14.2f}  {ms['ragged_dot'] / seg:>14.2f}  "
-              f"{seg / ms['dense MLP, same active']:>19.2f}")
+              f"   {dense / seg:>13.2f}  {dense / ms[best]:>13.2f}  {ms['ragged_dot'] / seg:>14.2f}  "
+              f"{ms[best] / ms['dense MLP, same active']:>19.2f}")
 
 
 def engine_tokens_per_s(a) -> None:

@@ -1,13 +1,30 @@
 """How a step's tokens run through a mixture's experts: on one device, sorted by expert and run as
-one batched matmul (:func:`grouped_experts`), or with the experts split over devices, each device
+one grouped matmul (:func:`grouped_experts`), or with the experts split over devices, each device
 running its own (:func:`split_experts`).
+
+On a CPU with the native library's AVX-512 tiles the engine stores float32 experts as
+:class:`~paged_jax.weights.experts.PanelExpertStack` (column panels), and the step is the native
+grouped matmul (``paged_jax/native/grouped_linear.cc``): the (token, expert) pairs sorted by
+expert, exactly their rows (T x k, no window padding), every expert's segment over its own panels
+with the float32 matmul's register tiles, one call per projection. Each chosen expert's weight is
+streamed from memory once with the matmul's prefetching, and an expert no token chose is not read.
+It is kept because at decode batch sizes the step is bound by reading the experts' weights (at 32
+tokens, 8 experts top-2, every expert is chosen: every formulation reads all the weights), and the
+panel kernel streams them faster than XLA's batched matmul (the windows below lose to it at 8 tokens,
+where both do few rows); the windows also did E x C rows (C the largest segment rounded up, 16-24 at
+32 tokens where the pairs average 8), the native kernel does the T x k. Measured side by side
+(``python experiments/bench_moe.py``; see the README's figures): against the dense all-experts
+batched matmul about 3x at 32 tokens, where the windows gave 1.3-1.4x. Gate and up stay two calls
+(a fused gate|up stack was not tried: it would save one call per layer, and the checkpoint's
+separate stacks would need joining for every weight format).
 
 The experts are :class:`~paged_jax.weights.experts.ExpertStack` weights ``gate``, ``up`` ``[E, H, I]``
 and ``down`` ``[E, I, H]`` (float or quantized: each stack runs its class's own matmul).
 
-One device: the step's (token, expert) pairs are sorted by expert, and every expert multiplies a
-window of the sorted rows that starts at its own segment, all experts in one batched matmul against
-the stacked weights (``[E, C, H] @ [E, H, I]``). The window size C is the step's largest segment
+Elsewhere (quantized or half-precision experts, experts with biases, a GPU, no AVX-512 tiles): the
+step's (token, expert) pairs are sorted by expert, and every expert multiplies a window of the sorted
+rows that starts at its own segment, all experts in one batched matmul against the stacked weights
+(``[E, C, H] @ [E, H, I]``). The window size C is the step's largest segment
 rounded up a ladder of sizes (1, 2, 4, 8, 16, 24, 32, 48, ...), chosen at run time by ``lax.switch``;
 rows of a window past its expert's segment are masked out, and the results are added back to their
 tokens. So the work is E x C rows where the dense all-experts formulation does E x T, and no weights

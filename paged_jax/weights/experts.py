@@ -11,6 +11,10 @@ expert is a QuantizedLinear like a dense layer's), and are stacked after (:func:
 
 Its ``parallel`` role is ``"expert"``: tensor parallelism gives each device whole experts, the
 leading axis split (its ``AXES``), and :mod:`paged_jax.parallel.experts` runs each device's own.
+
+:class:`PanelExpertStack` is the same function as a float32 stack, stored for the native grouped
+matmul (one device, a CPU; :func:`paged_jax.weights.panels.to_panels` makes it): its
+``grouped(rows, offsets)`` runs every expert's segment of expert-sorted rows in one call.
 """
 
 from __future__ import annotations
@@ -42,6 +46,56 @@ class ExpertStack:
 
     def __call__(self, xs):
         return jax.vmap(lambda w, x: w(x))(self.linear, xs)
+
+
+@weight_class
+class PanelExpertStack:
+    """A float32 ``ExpertStack(DenseLinear)`` (no bias) as each expert's weight in column panels,
+    ``panels [E, P, in, W]`` (:func:`paged_jax.native.pack_padded` per expert; output columns past
+    ``out_features`` are padding, cut off)."""
+
+    STATIC = ("out_features", "parallel")
+    AXES = {}  # one device only
+    panels: Any
+    out_features: int = 0
+    parallel: Optional[str] = None
+
+    @classmethod
+    def pack(cls, stack: ExpertStack) -> "PanelExpertStack":
+        from paged_jax import native
+
+        w = stack.linear.w
+        return cls(jax.numpy.stack([native.pack_padded(w[e]) for e in range(w.shape[0])]), out_features=w.shape[2])
+
+    @property
+    def num_experts(self) -> int:
+        return self.panels.shape[0]
+
+    def grouped(self, rows, offsets):
+        """``rows [M, in]`` sorted by expert, expert ``e``'s at ``offsets[e]`` .. ``offsets[e + 1]``
+        (``offsets [E + 1]``; rows past ``offsets[E]`` give 0) -> ``[M, out]`` float32."""
+        from paged_jax.native.grouped import grouped_linear
+
+        y = grouped_linear(rows.astype(jax.numpy.float32), offsets, self.panels)
+        return y if y.shape[-1] == self.out_features else y[:, :self.out_features]
+
+    def __getitem__(self, e):
+        from paged_jax.weights.panels import PanelLinear
+
+        return PanelLinear(self.panels[e], out_features=self.out_features)
+
+    def __call__(self, xs):
+        E, rows, _ = xs.shape
+        y = self.grouped(xs.reshape(E * rows, -1), jax.numpy.arange(E + 1, dtype=jax.numpy.int32) * rows)
+        return y.reshape(E, rows, -1)
+
+
+def packable(stack) -> bool:
+    """Whether :meth:`PanelExpertStack.pack` takes ``stack``: float32 dense experts without bias."""
+    from paged_jax.weights.dense import DenseLinear
+
+    return isinstance(stack, ExpertStack) and isinstance(stack.linear, DenseLinear) and stack.linear.b is None \
+        and stack.linear.w.ndim == 3 and stack.linear.w.dtype == jax.numpy.float32
 
 
 def stack_experts(linears: list) -> ExpertStack:

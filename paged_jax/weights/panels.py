@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import native
+from paged_jax.weights import experts
 from paged_jax.weights.base import map_weights, weight_class
 from paged_jax.weights.dense import DenseEmbedding, DenseLinear
 from paged_jax.weights.quantized import QuantizedLinear, pack_nibbles, quantize_per_token, rounded_activations
@@ -247,6 +248,8 @@ def to_panels(params, floats: bool = True, int8: Optional[bool] = None, int4_int
                                         out_features=x.values.shape[1], parallel=x.parallel, int8_activations=blocks)
         if floats and isinstance(x, DenseLinear) and x.w.ndim == 2 and x.w.dtype == jnp.float32:
             return PanelLinear(native.pack_padded(x.w), x.b, out_features=x.w.shape[1], parallel=x.parallel)
+        if floats and experts.packable(x):  # a mixture's float32 experts: the native grouped matmul
+            return experts.PanelExpertStack.pack(x)
         if floats and isinstance(x, DenseEmbedding) and x.tied and x.table.dtype == jnp.float32:
             return PanelEmbedding(native.pack_padded(x.table.T), vocab_size=x.table.shape[0], parallel=x.parallel)
         return x
