@@ -101,19 +101,22 @@ def test_moe_family_greedy_equals_transformers(hf_model_dir, variant):
     """Four prompts prefilled in one step and decoded together over 4-token blocks, then one alone: each
     one's greedy tokens equal transformers' ``generate`` for it alone. The step's tokens go to several
     experts."""
-    from paged_jax import LLM, SamplingParams
+    from paged_jax import LLM, SamplingParams, native
 
     path = hf_model_dir(variant)
     hf = load_hf(path)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(3, hf.config.vocab_size, size=n).tolist() for n in (3, 9, 17, 30)]
     assert len(routed_experts(hf, sum(prompts, []))) >= 3
+    native.build._traced.discard("linear grouped float32")  # traced again below, by this engine's steps
     llm = LLM(str(path), block_size=4, max_model_len=96)
     outs = llm.generate(prompt_token_ids=prompts,
                         sampling_params=SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
     # and the last prompt alone: its decoding steps have one token (the few-token path)
     alone = llm.generate(prompt_token_ids=prompts[-1:],
                          sampling_params=SamplingParams(temperature=0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    if native.available() and native.packs_weights():  # the engine ran the float32 experts natively
+        assert "linear grouped float32" in native.status()["traced"]
     for p, out in zip(prompts + prompts[-1:], outs + alone):
         with torch.no_grad():
             want = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
