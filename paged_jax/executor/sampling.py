@@ -23,7 +23,7 @@ import numpy as np
 from paged_jax.executor.batch import Batch, bucket
 from paged_jax.executor.interface import RowSampling, Sample, StepResult, position_histories
 from paged_jax.outputs import make_logprobs_dict
-from paged_jax.sampler import SamplingTensors, sample, seed_for_sample, token_logprobs
+from paged_jax.sampler import SamplingTensors, processed_probs, sample, seed_for_sample, token_logprobs
 from paged_jax.sampling_tensors import argmax_only
 from paged_jax.scheduler import SchedulerOutput
 from paged_jax.utils import pow2_bucket
@@ -45,7 +45,7 @@ def batch_is_argmax_only(out: SchedulerOutput, sampling: Sequence[RowSampling], 
         spec = sampling[i]
         if not spec.num_samples:
             continue
-        if first is not None or spec.num_candidates or not argmax_only(
+        if first is not None or spec.num_candidates or spec.return_probs or not argmax_only(
                 spec.params, out.scheduled[i].seq.get_output_len(), eos_token_id):
             return False
     return True
@@ -144,17 +144,21 @@ class StepSampler:
         # Every row samples (the usual case): the logits are already in order; padded rows are ignored.
         same = n == logits.shape[0] and np.array_equal(idx[: len(rows)], np.arange(len(rows)))
         rows_logits = logits if same else self._call("take_rows", _take_rows, logits, idx)
-        return picks, range(len(picks)), self._call("sample", sample, rows_logits, tensors)
+        drawn = self._call("sample", sample, rows_logits, tensors)
+        if not any(sampling[i].return_probs for i in picks):
+            return picks, range(len(picks)), drawn
+        return picks, range(len(picks)), drawn, self._call("processed_probs", processed_probs, rows_logits, tensors)
 
     @staticmethod
     def collect(sampling: Sequence[RowSampling], pending, result: StepResult) -> None:
         """Wait for the samples queued by :meth:`dispatch` and add them to ``result``."""
         if pending is None:
             return
-        picks, rows, outputs = pending
+        picks, rows, outputs, *probs = pending
         # Leaf by leaf: on the CPU jax.device_get's asynchronous copies took 0.1-0.2 ms after a step,
         # np.asarray's zero-copy views 0.01-0.03 ms (at batch 1 a step is 2-3 ms).
         ids, lps, *top = [np.asarray(x) for x in outputs]
+        probs = np.asarray(jax.device_get(probs[0])) if probs else None
         top_ids, top_lps = top or (None, None)  # the step's own argmax has no top-N
         for r, i in zip(rows, picks):
             spec = sampling[i]
@@ -164,7 +168,8 @@ class StepSampler:
             if spec.num_candidates:
                 k = spec.num_candidates
                 cands = ([int(t) for t in top_ids[r][:k]], [float(v) for v in top_lps[r][:k]])
-            result.samples.setdefault(i, []).append(Sample(int(ids[r]), float(lps[r]), entry, cands))
+            dist = probs[r] if probs is not None and spec.return_probs else None
+            result.samples.setdefault(i, []).append(Sample(int(ids[r]), float(lps[r]), entry, cands, dist))
 
     @staticmethod
     def prompt_logprobs(row, want: int, logits, batch: Batch, i: int) -> list[dict[int, float]]:
