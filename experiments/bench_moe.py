@@ -1,4 +1,4 @@
-"""The mixture-of-experts step three ways, side by side in one run, and the engine's tokens/s on an MoE
+"""The mixture-of-experts step four ways, side by side in one run, and the engine's tokens/s on an MoE
 model against a dense model of the same active parameters.
 
     python experiments/bench_moe.py [--experts 8] [--top-k 2] [--hidden 512] [--expert-width 1024]
@@ -6,10 +6,13 @@ model against a dense model of the same active parameters.
 
 1. The experts of one layer (router included), jitted, for each batch of tokens: the dense
    all-experts formulation (a batched matmul: every token through every expert, weighted by its router scores, zero for the
-   experts it did not choose), ``jax.lax.ragged_dot`` over the tokens sorted by expert, and the
-   sort-and-segment step paged-jax runs (:func:`paged_jax.models.moe_experts.grouped_experts`); beside them a
-   dense SwiGLU MLP ``top_k x expert-width`` wide (the same active parameters). Each time is the
-   median of ``--repeats`` rounds that run the variants in turn; the three give the same output.
+   experts it did not choose), ``jax.lax.ragged_dot`` over the tokens sorted by expert, and
+   :func:`paged_jax.models.moe_experts.grouped_experts` two ways: on ``ExpertStack`` weights (its
+   windows, XLA's batched matmul: "sort+segment") and on ``PanelExpertStack`` weights (the native
+   grouped matmul, what the engine runs on a CPU with AVX-512 tiles; left out elsewhere); beside them a
+   dense SwiGLU MLP ``top_k x expert-width`` wide (the same active parameters, XLA's matmul). Each time
+   is the median of ``--repeats`` rounds that run the variants in turn; all but the last give the same
+   output. "dense/grouped" is the issue's ratio: the dense all-experts step over the engine's.
 2. ``LLM.generate`` (greedy, ``--batch`` prompts decoding together): a tiny random Mixtral of these
    shapes against a LLaMA with ``intermediate_size = top_k x expert-width``, same attention, layers
    and vocabulary: generated tokens per second of each, and their ratio.
