@@ -76,10 +76,10 @@ def hf_tensor_shapes(c) -> dict[str, tuple]:
 def params_from_hf(c, get, lin) -> dict:
     def sinks_and_experts(i, p):  # what a gpt-oss layer has beyond LLaMA's attention
         q = p + "mlp.experts."
-        gate_up, gate_up_bias = get(q + "gate_up_proj"), get(q + "gate_up_proj_bias")
-        # already [in, out] per expert (transformers multiplies x @ w); gate and up interleaved by column
-        stack = {"gate": ExpertStack(DenseLinear(gate_up[:, :, 0::2], gate_up_bias[:, 0::2])),
-                 "up": ExpertStack(DenseLinear(gate_up[:, :, 1::2], gate_up_bias[:, 1::2])),
+        # Stored [E, in, out] (transformers multiplies x @ w), as an ExpertStack holds them. gate_up stays
+        # fused (one matmul; its interleaved columns are split by moe.clamped_swiglu), so that it loads
+        # as it is stored, also straight into each device's experts under tensor parallelism.
+        stack = {"gate": ExpertStack(DenseLinear(get(q + "gate_up_proj"), get(q + "gate_up_proj_bias"))),
                  "down": ExpertStack(DenseLinear(get(q + "down_proj"), get(q + "down_proj_bias")))}
         return {"sinks": get(p + "self_attn.sinks"), "moe": {"router": lin(p + "mlp.router", None), **stack}}
 

@@ -42,7 +42,8 @@ class MoEConfig:
     shared_intermediate_size: int = 0  # a shared expert every token goes through (0: none)
     shared_expert_gate: bool = False  # the shared expert's output scaled by sigmoid(x . w) (Qwen2-MoE)
     # gpt-oss's clamped SwiGLU (None: plain SwiGLU): gate clamped above at the limit, up to +-limit,
-    # output (up + 1) * gate * sigmoid(alpha * gate)
+    # output (up + 1) * gate * sigmoid(alpha * gate); its experts' ``gate`` stack is the fused gate_up
+    # projection (gate and up interleaved by column) and there is no ``up`` stack
     swiglu_limit: Optional[float] = None
     swiglu_alpha: float = 1.0
 
@@ -75,9 +76,10 @@ def route(logits, cfg: MoEConfig):
 
 
 def clamped_swiglu(limit: float, alpha: float):
-    """gpt-oss's gating, as transformers' ``GptOssExperts`` computes it: ``(gate, up) -> hidden``."""
-    def glu(gate, up):
-        gate = jnp.minimum(gate, limit)
+    """gpt-oss's gating, as transformers' ``GptOssExperts`` computes it: the fused projection's
+    ``[..., 2 I]`` output (gate in the even columns, up in the odd) -> ``[..., I]``."""
+    def glu(gate_up):
+        gate, up = jnp.minimum(gate_up[..., 0::2], limit), gate_up[..., 1::2]
         return (jnp.clip(up, -limit, limit) + 1) * (gate * jax.nn.sigmoid(gate * alpha))
     return glu
 
@@ -86,7 +88,7 @@ def moe_mlp(p, cfg: MoEConfig, x, real=None):
     """The mixture's output for normed hidden states ``x`` ``[T, H]`` (``p``: :func:`moe_params`;
     ``real``: as :func:`~paged_jax.models.moe_experts.grouped_experts` takes it)."""
     weights, experts = route(linear(x, p["router"]), cfg)
-    stacks = {n: p[n] for n in ("gate", "up", "down")}
+    stacks = {n: p[n] for n in ("gate", "up", "down") if n in p}
     glu = None if cfg.swiglu_limit is None else clamped_swiglu(cfg.swiglu_limit, cfg.swiglu_alpha)
     mesh = expert_mesh(stacks)
     if mesh is None:

@@ -86,11 +86,11 @@ def window_sizes(num_rows: int) -> list[int]:
 
 
 def swiglu(p, xs, act=jax.nn.silu, glu=None):
-    """``down(act(gate(xs)) * up(xs))``, or ``down(glu(gate(xs), up(xs)))`` with a ``glu`` of its own
-    (gpt-oss's clamped SwiGLU); ``p``: the three stacks (``xs [E, rows, H]``) or one expert's three
-    weights (``xs [rows, H]``)."""
+    """``down(act(gate(xs)) * up(xs))``; ``p``: the three stacks (``xs [E, rows, H]``) or one expert's
+    three weights (``xs [rows, H]``). With a ``glu`` (gpt-oss's clamped SwiGLU), ``gate`` is the fused
+    gate-and-up projection and there is no ``up``: ``down(glu(gate(xs)))``."""
     if glu is not None:
-        return p["down"](glu(p["gate"](xs), p["up"](xs)))
+        return p["down"](glu(p["gate"](xs)))
     return p["down"](act(p["gate"](xs)) * p["up"](xs))
 
 
@@ -118,8 +118,8 @@ def grouped_experts(x, weights, experts, p, act=jax.nn.silu, real=None, glu=None
     if all(hasattr(s, "grouped") for s in p.values()):  # the native grouped matmul: exactly the pairs' rows
         offsets = jnp.concatenate([jnp.zeros(1, jnp.int32), jnp.cumsum(counts).astype(jnp.int32)])
         rows = x[token]  # pairs of no expert sort past offsets[E]: the kernel gives them 0
-        gate, up = p["gate"].grouped(rows, offsets), p["up"].grouped(rows, offsets)
-        h = act(gate) * up if glu is None else glu(gate, up)
+        gate = p["gate"].grouped(rows, offsets)
+        h = act(gate) * p["up"].grouped(rows, offsets) if glu is None else glu(gate)
         y = p["down"].grouped(h, offsets) * weights.reshape(-1)[order].astype(jnp.float32)[:, None]
         return jnp.zeros(x.shape, jnp.float32).at[token].add(y)
     sizes = window_sizes(T)

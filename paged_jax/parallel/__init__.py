@@ -84,20 +84,22 @@ class ShardedBackend:
     def check(self, spec, dtype) -> None:
         self.backend.check(spec, dtype)
 
-    def _per_device(self, method, q, k_cache, v_cache, meta, spec):
+    def _per_device(self, method, q, k_cache, v_cache, meta, spec, sinks=None):
         import jax
         from jax.sharding import PartitionSpec as P
 
-        def local(q, k_cache, v_cache, meta):
-            return method(q, k_cache, v_cache, meta, spec)
+        def local(q, k_cache, v_cache, meta, *sinks):  # sinks: each device's heads' sink logits, if any
+            return method(q, k_cache, v_cache, meta, spec, **({"sinks": sinks[0]} if sinks else {}))
 
         heads = P(*[None] * (q.ndim - 2), AXIS, None)  # [..., H, D] split over H
+        extra = () if sinks is None else (sinks,)
         return jax.shard_map(local, mesh=self.mesh, in_specs=(heads, KV_CACHE_SPEC, KV_CACHE_SPEC,
-                                                              jax.tree.map(lambda _: P(), meta)),
-                             out_specs=heads, check_vma=False)(q, k_cache, v_cache, meta)
+                                                              jax.tree.map(lambda _: P(), meta),
+                                                              *[P(AXIS)] * len(extra)),
+                             out_specs=heads, check_vma=False)(q, k_cache, v_cache, meta, *extra)
 
-    def ragged(self, q, k_cache, v_cache, meta, spec):
-        return self._per_device(self.backend.ragged, q, k_cache, v_cache, meta, spec)
+    def ragged(self, q, k_cache, v_cache, meta, spec, sinks=None):
+        return self._per_device(self.backend.ragged, q, k_cache, v_cache, meta, spec, sinks)
 
 
 def shard_backend(backend, mesh) -> ShardedBackend:
