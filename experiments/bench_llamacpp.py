@@ -243,6 +243,7 @@ def main(argv=None):
                 paged_jax_batch(engines[name], prompts)
         best: dict = {}
         tokens: dict = {}
+        loads = [os.getloadavg()[0]]  # the machine's 1-minute load average, before and after each round
         for r in range(a.rounds):
             for name, (fmt, _) in FORMATS.items():
                 cells = {("llama.cpp", "decode"): lambda: llama_bench(bin_dir, ggufs[fmt], a.llama_threads),
@@ -260,13 +261,15 @@ def main(argv=None):
                         tokens[engine, name] = toks
                 print(f"round {r + 1}, {name}: " + ", ".join(f"{e} {k} {best[e, k, name]:.1f}" for e, k in cells),
                       file=sys.stderr)
+            loads.append(os.getloadavg()[0])
         paths = native.paths()
     name, isa = cpu()
     print(f"CPU: {name}, {os.cpu_count()} cores; instruction sets: {isa}")
     print(f"builds: llama.cpp from llama-cpp-python {LLAMA_CPP_PYTHON} ({' '.join(CMAKE_ISA[a.isa])}); paged-jax "
           f"native kernels {paths or 'not built'}"
           + (f", PAGED_JAX_NATIVE_FLAGS={os.environ.get('PAGED_JAX_NATIVE_FLAGS')}" if a.isa == "avx2" else ""))
-    print(f"best of {a.rounds} alternating rounds\n")
+    print(f"best of {a.rounds} alternating rounds; 1-minute load average {min(loads):.1f}-{max(loads):.1f} "
+          f"(before and after each round)\n")
     t = "/".join(map(str, a.llama_threads))
     print(f"| batch-1 decode, {PROMPT}-token context, tokens/s | llama.cpp (llama-bench -t {t}) | paged-jax | over it |")
     print("|---|---:|---:|---:|")
