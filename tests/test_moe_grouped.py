@@ -55,6 +55,25 @@ def test_grouped_linear_xla_fallback_matches_numpy(monkeypatch):
 
 
 @needs_native
+def test_packed_stack_with_biases_matches_numpy():
+    """gpt-oss's experts have biases: each row gets its own expert's; rows of no expert stay 0."""
+    from paged_jax.weights import DenseLinear, ExpertStack
+    from paged_jax.weights.experts import PanelExpertStack, packable
+
+    counts, K, N, past = [3, 0, 9, 1, 0, 20, 2, 5], 40, 72, 4  # 72 columns: padded to two 48-column panels
+    rng = np.random.default_rng(7)
+    x, w, offsets, want = grouped_case(rng, counts, K, N, past)
+    b = rng.standard_normal((len(counts), N)).astype(np.float32)
+    want[:offsets[-1]] += b[np.repeat(np.arange(len(counts)), counts)]
+    stack = ExpertStack(DenseLinear(jnp.asarray(w), jnp.asarray(b)))
+    assert packable(stack)
+    packed = PanelExpertStack.pack(stack)
+    got = np.asarray(jax.jit(packed.grouped)(jnp.asarray(x), jnp.asarray(offsets)))
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
+    assert not got[offsets[-1]:].any()
+
+
+@needs_native
 @pytest.mark.parametrize("offsets", [[0, 5, 3, 8], [1, 2, 3, 4], [0, 2, 4, 9]])
 def test_grouped_linear_refuses_offsets_out_of_order_or_range(offsets):
     x = jnp.ones((8, 16), jnp.float32)

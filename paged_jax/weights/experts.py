@@ -50,13 +50,14 @@ class ExpertStack:
 
 @weight_class
 class PanelExpertStack:
-    """A float32 ``ExpertStack(DenseLinear)`` (no bias) as each expert's weight in column panels,
+    """A float32 ``ExpertStack(DenseLinear)`` as each expert's weight in column panels,
     ``panels [E, P, in, W]`` (:func:`paged_jax.native.pack_padded` per expert; output columns past
-    ``out_features`` are padding, cut off)."""
+    ``out_features`` are padding, cut off), and its biases ``b [E, out]`` or None."""
 
     STATIC = ("out_features", "parallel")
     AXES = {}  # one device only
     panels: Any
+    b: Any = None
     out_features: int = 0
     parallel: Optional[str] = None
 
@@ -65,7 +66,8 @@ class PanelExpertStack:
         from paged_jax import native
 
         w = stack.linear.w
-        return cls(jax.numpy.stack([native.pack_padded(w[e]) for e in range(w.shape[0])]), out_features=w.shape[2])
+        return cls(jax.numpy.stack([native.pack_padded(w[e]) for e in range(w.shape[0])]), stack.linear.b,
+                   out_features=w.shape[2])
 
     @property
     def num_experts(self) -> int:
@@ -76,13 +78,19 @@ class PanelExpertStack:
         (``offsets [E + 1]``; rows past ``offsets[E]`` give 0) -> ``[M, out]`` float32."""
         from paged_jax.native.grouped import grouped_linear
 
-        y = grouped_linear(rows.astype(jax.numpy.float32), offsets, self.panels)
-        return y if y.shape[-1] == self.out_features else y[:, :self.out_features]
+        jnp = jax.numpy
+        y = grouped_linear(rows.astype(jnp.float32), offsets, self.panels)
+        y = y if y.shape[-1] == self.out_features else y[:, :self.out_features]
+        if self.b is None:
+            return y
+        E = self.num_experts
+        expert = jnp.searchsorted(offsets, jnp.arange(rows.shape[0]), side="right") - 1  # E: past the last
+        return y + jnp.where((expert < E)[:, None], self.b[jnp.minimum(expert, E - 1)], 0).astype(jnp.float32)
 
     def __getitem__(self, e):
         from paged_jax.weights.panels import PanelLinear
 
-        return PanelLinear(self.panels[e], out_features=self.out_features)
+        return PanelLinear(self.panels[e], None if self.b is None else self.b[e], out_features=self.out_features)
 
     def __call__(self, xs):
         E, rows, _ = xs.shape
@@ -91,11 +99,11 @@ class PanelExpertStack:
 
 
 def packable(stack) -> bool:
-    """Whether :meth:`PanelExpertStack.pack` takes ``stack``: float32 dense experts without bias."""
+    """Whether :meth:`PanelExpertStack.pack` takes ``stack``: float32 dense experts (biases or not)."""
     from paged_jax.weights.dense import DenseLinear
 
-    return isinstance(stack, ExpertStack) and isinstance(stack.linear, DenseLinear) and stack.linear.b is None \
-        and stack.linear.w.ndim == 3 and stack.linear.w.dtype == jax.numpy.float32
+    return isinstance(stack, ExpertStack) and isinstance(stack.linear, DenseLinear) and stack.linear.w.ndim == 3 \
+        and stack.linear.w.dtype == jax.numpy.float32
 
 
 def stack_experts(linears: list) -> ExpertStack:
