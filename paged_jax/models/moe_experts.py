@@ -21,7 +21,7 @@ separate stacks would need joining for every weight format).
 The experts are :class:`~paged_jax.weights.experts.ExpertStack` weights ``gate``, ``up`` ``[E, H, I]``
 and ``down`` ``[E, I, H]`` (float or quantized: each stack runs its class's own matmul).
 
-Elsewhere (quantized or half-precision experts, experts with biases, a GPU, no AVX-512 tiles): the
+Elsewhere (quantized or half-precision experts, a GPU, no AVX-512 tiles, tensor parallelism): the
 step's (token, expert) pairs are sorted by expert, and every expert multiplies a window of the sorted
 rows that starts at its own segment, all experts in one batched matmul against the stacked weights
 (``[E, C, H] @ [E, H, I]``). The window size C is the step's largest segment
