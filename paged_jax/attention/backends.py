@@ -198,7 +198,9 @@ class ReferenceBackend:
                                           sinks=sinks)
         # The layer's decode rows have query_lens 1, or 0 for rows with nothing to attend to (their
         # output is unspecified): as a prefill of one query each, the newest.
-        return self.prefill(q[:, None], k_cache, v_cache, meta, spec, sinks=sinks)[:, 0]
+        # (sinks passed on only when there are any: a subclass's own prefill need not take them)
+        kw = {} if sinks is None else {"sinks": sinks}
+        return self.prefill(q[:, None], k_cache, v_cache, meta, spec, **kw)[:, 0]
 
 
 class NativeBackend:
