@@ -16,8 +16,9 @@ order rotating, so that a burst of load from elsewhere falls on all alike; a bat
 best round (a shared machine only slows a run down), a configuration's tokens/s is the tokens over
 the sum of its batches' times. It prints tokens/s, the ratio to plain decoding, the acceptance rate
 (accepted / draft tokens), the mean acceptance length (tokens per target step of a drafted row: 1 +
-accepted / drafts) and the seconds spent proposing (in the first round), and checks that every
-configuration's tokens equal plain decoding's.
+accepted / drafts), the engine steps of a round and the milliseconds a step (the ratio to plain
+decoding is the product of the steps saved and the cost of a step), and the seconds spent proposing
+(in the first round), and checks that every configuration's tokens equal plain decoding's.
 """
 
 from __future__ import annotations
@@ -115,14 +116,16 @@ def main(argv=None) -> None:
         # Each batch of prompts runs under every configuration in turn (the order rotating), so a burst of
         # load from elsewhere hits all configurations alike; each batch's time is its best round.
         best = {name: [float("inf")] * len(batches_of) for name in configs}
+        steps = dict.fromkeys(configs, 0)  # engine steps of the first round (the tokens are the same in each)
         for r in range(a.rounds):
             for b, chunk in enumerate(batches_of):
                 names = list(configs)
                 shift = (r + b) % len(names)
                 for name in names[shift:] + names[:shift]:
                     llm = engines[name]
-                    before = llm.llm_engine.get_stats()["spec_decode"]
+                    before, first_step = llm.llm_engine.get_stats()["spec_decode"], llm.llm_engine.num_steps
                     seconds, _ = run(llm, chunk, batch, params)
+                    steps[name] += (llm.llm_engine.num_steps - first_step) if r == 0 else 0
                     best[name][b] = min(best[name][b], seconds)
                     after = llm.llm_engine.get_stats()["spec_decode"]
                     if after is not None and r == 0:
@@ -131,8 +134,10 @@ def main(argv=None) -> None:
         best = {name: sum(times) for name, times in best.items()}
         total = len(prompts) * a.output_len
         base = total / best["plain"]
+        # tokens/s over plain = (plain's steps / these steps) x (plain's ms a step / these ms a step): what
+        # acceptance gives and what a step with drafts costs.
         print(f"\n{workload}, batch {batch}:\n{'configuration':<22} {'tokens/s':>9} {'x plain':>8} {'accept':>7} "
-              f"{'mean len':>9} {'propose s':>10} {'same tokens':>12}")
+              f"{'mean len':>9} {'steps':>6} {'ms/step':>8} {'propose s':>10} {'same tokens':>12}")
         for name in configs:
             tps = total / best[name]
             s = spec_stats.get(name)
@@ -140,7 +145,9 @@ def main(argv=None) -> None:
             mean = f"{1 + s['num_accepted_tokens'] / s['num_drafts']:.2f}" if s and s["num_drafts"] else "-"
             prop = f"{s['proposal_time']:.3f}" if s else "-"
             same = "yes" if tokens[name] == tokens["plain"] else "NO"
-            print(f"{name:<22} {tps:9.1f} {tps / base:8.2f} {acc:>7} {mean:>9} {prop:>10} {same:>12}")
+            ms = 1000 * best[name] / steps[name]
+            print(f"{name:<22} {tps:9.1f} {tps / base:8.2f} {acc:>7} {mean:>9} {steps[name]:6d} {ms:8.2f} {prop:>10} "
+                  f"{same:>12}")
 
 
 if __name__ == "__main__":

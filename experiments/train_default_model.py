@@ -38,6 +38,10 @@ from paged_jax.weights import DenseLinear  # noqa: E402
 FAMILY = "llama"
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=6, num_attention_heads=8,
              num_key_value_heads=4, max_position_embeddings=1024, tie_word_embeddings=True)
+# --draft: a speculative-decoding draft for the default model (the same tokenizer: the same corpus and
+# vocabulary). One layer and half the width keep it under 2 MB in 16-bit (the embedding is most of it).
+DRAFT_SHAPE = dict(SHAPE, hidden_size=128, intermediate_size=384, num_hidden_layers=1, num_attention_heads=4,
+                   num_key_value_heads=2)
 
 
 def params_of(hf: dict, config):
@@ -146,6 +150,8 @@ def main(argv=None):
     ap.add_argument("--eval-windows", type=int, default=64)
     ap.add_argument("--max-files", type=int, default=None, help="use only the first N files of each split (a smoke test)")
     ap.add_argument("--set", nargs="*", default=[], metavar="KEY=JSON", help="override model config fields")
+    ap.add_argument("--draft", action="store_true",
+                    help="train the default model's speculative-decoding draft (DRAFT_SHAPE, the same tokenizer)")
     a = ap.parse_args(argv)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -156,7 +162,8 @@ def main(argv=None):
         train_files, held_files = train_files[:a.max_files], held_files[:a.max_files]
     print(stdlib_corpus.describe())
     tok = train_tokenizer(FAMILY, a.vocab_size, files=[str(f) for f in train_files], all_bytes=True)
-    cfg = dict(TINY_CONFIGS[FAMILY], **SHAPE, torch_dtype="float32", **save_tokenizer(tok, FAMILY, out))
+    cfg = dict(TINY_CONFIGS[FAMILY], **(DRAFT_SHAPE if a.draft else SHAPE), torch_dtype="float32",
+               **save_tokenizer(tok, FAMILY, out))
     cfg.update({k: json.loads(v) for k, v in (s.split("=", 1) for s in a.set)})
     config = model_config_from_hf(cfg, dtype="float32")
     train_stream, held_stream = token_stream(tok, train_files), token_stream(tok, held_files)
