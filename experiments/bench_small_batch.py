@@ -162,7 +162,7 @@ def main(argv=None):
                            "--prompt-len", str(a.prompt_len), "--output-len", str(a.output_len),
                            "--runs", str(a.runs)]
                     for b, r in child_result(cmd, f"{rev} {name}").items():
-                        print(name, rev, rep, b, {k: round(v, 3) for k, v in r.items()}, file=sys.stderr,
+                        print(name, rev, rep, b, {k: v if v is None else round(v, 3) for k, v in r.items()}, file=sys.stderr,
                               flush=True)
                         best = results.setdefault((name, int(b), rev), r)
                         alone = min(r["step_alone_ms"], best["step_alone_ms"])
