@@ -48,7 +48,12 @@ class DraftModelProposer:
     """Proposes each speculating row's drafts with the draft model (see the module docstring)."""
 
     def __init__(self, runner, k: int) -> None:
+        from paged_jax.executor.draft_loop import make_draft_loop
+        from paged_jax.executor.model_runner import make_step
+
         self.runner, self.k = runner, k
+        # Greedy drafts after the first: k one-token steps in one jitted call (executor/draft_loop.py).
+        self.loop = make_draft_loop(make_step(runner.config, runner.attn), runner.block_size, k + 1)
         self.unseeded = np.random.default_rng(runner.seed)  # unseeded requests' draws
         self.probs: dict[int, list[np.ndarray]] = {}  # the last propose's sampled rows: q of each draft
 
@@ -82,6 +87,8 @@ class DraftModelProposer:
         from paged_jax.executor.interface import RowSampling
         from paged_jax.sampling_params import SamplingParams
 
+        if limits and not any(is_sampled(out.scheduled[i]) for i in limits) and _decode_only(out):
+            return self._propose_greedy(out, limits, None, block_manager)
         greedy = SamplingParams(temperature=0)
         # A sampled request's rows draw with its own processing and return q (``Sample.probs``).
         sampled = {i: RowSampling(out.scheduled[i].group.sampling_params, (row_seed(out.scheduled[i]),), return_probs=True)
@@ -92,6 +99,8 @@ class DraftModelProposer:
                     for i, row in enumerate(out.scheduled)]
         result = self.runner.execute(out, sampling)
         tokens = {i: self._next(out.scheduled[i], result.samples[i][0]) for i in limits}
+        if not sampled:
+            return self._propose_greedy(out, limits, {i: t for i, (t, _) in tokens.items()}, block_manager)
         counts = dict.fromkeys(limits, 0)
         self.probs = {i: [] for i in sampled}
         while tokens:
@@ -116,6 +125,42 @@ class DraftModelProposer:
             tokens = {i: self._next(out.scheduled[i], result.samples[b][0]) for b, (i, _) in enumerate(rows)}
         return {i: n for i, n in counts.items() if n}
 
+    def _propose_greedy(self, out: "SchedulerOutput", limits: dict[int, int], first: "dict[int, int] | None",
+                        block_manager: "BlockManager") -> dict[int, int]:
+        """Greedy rows only, in one call of the draft loop: each row's slots for its drafts first
+        (placeholders, as many as the free blocks cover), then the loop writes their K/V (the last
+        draft's too) and gives the drafts. ``first``: each row's first draft, from the draft's run of
+        ``out``; None: ``out`` is a decode step (``_decode_only``) that the loop runs itself, its
+        every row's pending token first (a row without drafts only writes that token's K/V)."""
+        from paged_jax.executor.draft_loop import loop_batch
+
+        counts = {}
+        for i, most in limits.items():
+            row, n = out.scheduled[i], 0
+            while n < most and self._append(row.seq, row.group, 0 if first is None else first[i], block_manager, out):
+                n += 1
+            counts[i] = n
+        run = list(range(len(out.scheduled))) if first is None else [i for i in counts if counts[i]]
+        if not run:
+            return {}
+        seqs = [out.scheduled[i].seq for i in run]
+        n = [counts.get(i, 0) for i in run]
+        if first is None:  # the loop starts at the pending token: drafts come out of steps 0 .. n - 1
+            tokens, positions, lim = [s.get_token_ids()[-m - 1] for s, m in zip(seqs, n)], [
+                s.get_len() - m - 1 for s, m in zip(seqs, n)], [m + 1 for m in n]
+        else:  # the loop starts at the first draft: the others come out of steps 0 .. n - 2
+            tokens, positions, lim = [first[i] for i in run], [s.get_len() - m for s, m in zip(seqs, n)], n
+        batch, lim = loop_batch(tokens, positions, [block_manager.get_block_table(s) for s in seqs], lim,
+                                self.runner.block_size)
+        r = self.runner
+        out_tokens, r.kv_caches = self.loop(r.params, r.kv_caches, batch, lim)
+        out_tokens = np.asarray(out_tokens)
+        for b, (seq, m) in enumerate(zip(seqs, n)):
+            if m:
+                drafts = list(out_tokens[:m, b]) if first is None else [tokens[b], *out_tokens[:m - 1, b]]
+                seq.output_token_ids[len(seq.output_token_ids) - m:] = [int(t) for t in drafts]
+        return {i: m for i, m in counts.items() if m}
+
     def _next(self, row, sample) -> tuple[int, "np.ndarray | None"]:
         """The row's next draft and the q it was drawn from (None: a greedy row's argmax)."""
         if sample.probs is None:
@@ -134,3 +179,9 @@ class DraftModelProposer:
         if copy is not None:  # the scheduler's append_slot already owns the last block; kept for safety
             out.blocks_to_copy.append(copy)
         return True
+
+
+def _decode_only(out: "SchedulerOutput") -> bool:
+    """Whether ``out`` runs one pending token per row and no cache operation: the draft loop can run it."""
+    return (not (out.blocks_to_swap_in or out.blocks_to_swap_out or out.blocks_to_copy)
+            and all(row.num_tokens == 1 and row.completes for row in out.scheduled))
