@@ -95,3 +95,5 @@ def test_warm_up_compiles_the_draft_models_steps(tiny_llama_dir, other_draft):
     llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     assert engine.get_stats()["spec_decode"]["num_drafts"] > 0
     assert (engine.get_stats()["num_compilations"], draft.num_compilations) == compiled
+    loop = engine.spec_decoder.draft.loop
+    assert engine.spec_decoder.draft.compiled_loops and loop._cache_size() == 0  # the draft loop: warmed shapes only

@@ -240,6 +240,8 @@ class SpecDecoder:
         c = scheduler_config
         if self.draft is not None:
             self.draft.runner.warm_up(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len, progress=progress)
+            off = self.config.disable_by_batch_size  # steps of that many rows never draft
+            self.draft.warm_up(c.max_num_seqs if off is None else min(c.max_num_seqs, off - 1), c.max_model_len)
         return {"num_speculative_tokens": self.config.num_speculative_tokens}
 
     @staticmethod

@@ -54,8 +54,21 @@ class DraftModelProposer:
         self.runner, self.k = runner, k
         # Greedy drafts after the first: k one-token steps in one jitted call (executor/draft_loop.py).
         self.loop = make_draft_loop(make_step(runner.config, runner.attn), runner.block_size, k + 1)
+        self.compiled_loops: dict = {}  # Batch.shape_key -> the loop compiled by warm_up
         self.unseeded = np.random.default_rng(runner.seed)  # unseeded requests' draws
         self.probs: dict[int, list[np.ndarray]] = {}  # the last propose's sampled rows: q of each draft
+
+    def warm_up(self, max_rows: int, max_model_len: int) -> None:
+        """Compile the draft loop for every decode step shape of up to ``max_rows`` rows."""
+        import jax
+
+        from paged_jax.executor.batch import Batch, warmup_shapes
+
+        r = self.runner
+        for key in warmup_shapes(max_rows, 1, max_model_len, r.block_size):
+            if key[3] == 0 and key not in self.compiled_loops:
+                limits = jax.ShapeDtypeStruct((key[1],), np.int32)
+                self.compiled_loops[key] = self.loop.lower(r.params, r.kv_caches, Batch.abstract(key), limits).compile()
 
     @classmethod
     def load(cls, path: str, target_runner, k: int) -> "DraftModelProposer":
@@ -153,7 +166,8 @@ class DraftModelProposer:
         batch, lim = loop_batch(tokens, positions, [block_manager.get_block_table(s) for s in seqs], lim,
                                 self.runner.block_size)
         r = self.runner
-        out_tokens, r.kv_caches = self.loop(r.params, r.kv_caches, batch, lim)
+        loop = self.compiled_loops.get(batch.shape_key, self.loop)
+        out_tokens, r.kv_caches = loop(r.params, r.kv_caches, batch, lim)
         out_tokens = np.asarray(out_tokens)
         for b, (seq, m) in enumerate(zip(seqs, n)):
             if m:
