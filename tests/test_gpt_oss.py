@@ -71,7 +71,11 @@ def test_gpt_oss_logits_equal_transformers(gpt_oss_dir):
     config, params = load_model(gpt_oss_dir)
     assert [config.attention_spec(i).sliding_window for i in range(2)] == [6, None]
     assert all(config.attention_spec(i).sinks for i in range(2))
-    ours = PagedRunner(config, params, block_size=4).prefill_logits(prompts)
+    from paged_jax import native
+
+    # the engine's own choice on a CPU (the slow tests run the reference and the engine's default)
+    backend = "native" if native.available() else "reference"
+    ours = PagedRunner(config, params, block_size=4, backend=backend).prefill_logits(prompts)
     for p, got in zip(prompts, ours):
         with torch.no_grad():
             want = hf(torch.tensor([p])).logits[0].numpy()
@@ -89,14 +93,13 @@ def test_gpt_oss_logits_equal_transformers(gpt_oss_dir):
 
 @pytest.mark.slow  # about 25 s
 def test_gpt_oss_greedy_equals_transformers(gpt_oss_dir):
-    """Greedy tokens through the engine (its default backend, which is the reference: the native kernel
-    refuses sinks) over 4-token blocks, the windowed layers' blocks freed, equal transformers'."""
+    """Greedy tokens through the engine (its default backend: native on a CPU where it builds) over
+    4-token blocks, the windowed layers' blocks freed, equal transformers'."""
     from paged_jax import LLM, SamplingParams
 
     hf = load_hf(gpt_oss_dir)
     prompts = _prompts(hf.config.vocab_size)
     llm = LLM(str(gpt_oss_dir), block_size=4, max_model_len=96)
-    assert llm.llm_engine.get_stats()["attention_backend"] == "reference"  # "auto": the native kernel refuses sinks
     outs = llm.generate(prompt_token_ids=prompts, use_tqdm=False,
                         sampling_params=SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
     for p, out in zip(prompts, outs):
@@ -107,7 +110,7 @@ def test_gpt_oss_greedy_equals_transformers(gpt_oss_dir):
 def test_gpt_oss_greedy_with_chunked_prefill_prefix_caching_and_preemption(gpt_oss_dir):
     """Prompts prefilled in 8-token chunks, the later prompts' shared 20-token prefix read from cached
     blocks, a pool small enough that sequences are preempted and recomputed, the windowed layers' blocks
-    freed: greedy tokens equal transformers' for each prompt alone."""
+    freed, on the reference backend: greedy tokens equal transformers' for each prompt alone."""
     from paged_jax import LLM, SamplingParams
 
     hf = load_hf(gpt_oss_dir)
@@ -115,7 +118,7 @@ def test_gpt_oss_greedy_with_chunked_prefill_prefix_caching_and_preemption(gpt_o
     shared = rng.integers(3, hf.config.vocab_size, size=20).tolist()
     prompts = [shared + rng.integers(3, hf.config.vocab_size, size=n).tolist() for n in (3, 9, 14)]
     llm = LLM(str(gpt_oss_dir), block_size=4, max_model_len=128, enable_chunked_prefill=True,
-              max_num_batched_tokens=8, enable_prefix_caching=True, num_kv_blocks=30)
+              max_num_batched_tokens=8, enable_prefix_caching=True, num_kv_blocks=30, attention_backend="reference")
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     got = [list(o.outputs[0].token_ids) for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
                                                                use_tqdm=False)]
@@ -177,16 +180,46 @@ def test_sinks_in_reference_blockwise_and_decode_equal_numpy(window):
         np.testing.assert_allclose(np.asarray(decode)[0], want[-1], atol=1e-5)
 
 
+@pytest.mark.parametrize("window", [None, 5])
+def test_sinks_in_the_native_kernel_equal_numpy(window):
+    """The native ragged kernel with sinks, one sequence's 9 new queries (a chunk) and another's one (a
+    decode) in one step, float32 and an int8 cache, against the numpy oracle."""
+    import jax.numpy as jnp
+
+    from paged_jax import native
+    from paged_jax.attention import kv_quant
+
+    if not native.available():
+        pytest.skip("the native library is not available here")
+    rng = np.random.default_rng(1)
+    H, KVH, D, bs = 4, 2, 8, 4
+    k_cache = rng.standard_normal((16, bs, KVH, D)).astype(np.float32)
+    v_cache = rng.standard_normal((16, bs, KVH, D)).astype(np.float32)
+    tables = np.stack([rng.permutation(np.arange(1, 8))[:6], rng.permutation(np.arange(8, 16))[:6]]).astype(np.int32)
+    lens, qlens = np.array([23, 17], np.int32), np.array([9, 1], np.int32)
+    q = rng.standard_normal((10, H, D)).astype(np.float32)
+    sinks = np.array([3.0, -1.0, 0.5, 8.0], np.float32)
+    want = np.concatenate([_sink_attention_numpy(q[a:a + n], k_cache[t].reshape(-1, KVH, D)[:L],
+                                                 v_cache[t].reshape(-1, KVH, D)[:L], sinks, 0.3, window)
+                           for a, n, t, L in ((0, 9, tables[0], 23), (9, 1, tables[1], 17))])
+    args = (tables, lens, np.array([0, 9], np.int32), qlens, 0.3, window, None)
+    got = native.paged_attention(jnp.asarray(q), k_cache, v_cache, *args, sinks=sinks)
+    np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)
+    k8, v8 = (kv_quant.quantize(jnp.asarray(c), jnp.int8) for c in (k_cache, v_cache))
+    got8 = native.paged_attention(jnp.asarray(q), k8, v8, *args, sinks=sinks)
+    np.testing.assert_allclose(np.asarray(got8), want, atol=3e-2)
+
+
 def test_backends_declare_or_refuse_sinks():
-    """Every backend declares the sinks field or is refused, naming it; 'auto' then runs the reference."""
+    """Every backend declares the sinks field or is refused, naming it: the Pallas kernels refuse them."""
     from paged_jax.attention import AttentionSpec, select_backend
 
     spec = AttentionSpec(0.25, sliding_window=8, sinks=True)
     assert select_backend("reference", [spec], "float32").name == "reference"
-    for name in ("native", "pallas", "pallas-interpret"):
+    assert "sinks" in select_backend("native", [spec], "float32", native_kernels=True).spec_fields
+    for name in ("pallas", "pallas-interpret"):
         with pytest.raises(ValueError, match=rf"attention_backend='{name}' does not honour .*sinks=True"):
             select_backend(name, [spec], "float32")
-    assert select_backend("auto", [spec], "float32").name == "reference"
 
 
 def test_gpt_oss_config_and_refusals(gpt_oss_dir):

@@ -208,11 +208,10 @@ class NativeBackend:
     whole ragged step.
 
     float32 or bfloat16 caches, or an 8-bit one (``kv_cache_dtype="int8" | "fp8"``), on a CPU where the
-    kernel builds; the spec's sliding window and soft-cap are the kernel's arguments."""
+    kernel builds; the spec's sliding window, soft-cap and sinks are the kernel's arguments."""
 
     name = "native"
-    # kernel arguments; attention sinks are not one of them (a sink model runs the reference)
-    spec_fields = frozenset({"sliding_window", "logit_soft_cap"})
+    spec_fields = frozenset({"sliding_window", "logit_soft_cap", "sinks"})  # kernel arguments
     dtypes = ("float32", "bfloat16", "int8", "fp8")
 
     def check(self, spec: AttentionSpec, dtype: str) -> None:
@@ -226,12 +225,12 @@ class NativeBackend:
         if why:
             raise ValueError(f"attention_backend='native' cannot run this model: {why}; use 'reference' or 'auto'")
 
-    def ragged(self, q, k_cache, v_cache, meta, spec: AttentionSpec):
+    def ragged(self, q, k_cache, v_cache, meta, spec: AttentionSpec, sinks=None):
         from paged_jax import native
 
         starts = meta.last_token - meta.query_lens + 1
         return native.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.context_lens, starts,
-                                      meta.query_lens, spec.scale, spec.sliding_window, spec.logit_soft_cap)
+                                      meta.query_lens, spec.scale, spec.sliding_window, spec.logit_soft_cap, sinks)
 
 
 REFERENCE = ReferenceBackend()

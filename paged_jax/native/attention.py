@@ -19,7 +19,7 @@ def _dtype(q, k_cache, v_cache) -> Optional[str]:
 
 
 def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, sliding_window: Optional[int] = None,
-                 logit_soft_cap: Optional[float] = None) -> "jax.Array":
+                 logit_soft_cap: Optional[float] = None, sinks=None) -> "jax.Array":
     """Same contract as :func:`paged_jax.attention.decode.paged_decode_attention`: one query per row
     (:func:`paged_attention` with rows of one query each); rows with ``context_lens <= 0`` give zeros."""
     import jax.numpy as jnp
@@ -27,17 +27,19 @@ def paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale: float, 
     S = q.shape[0] if q.ndim == 3 else -1
     context_lens = jnp.asarray(context_lens)
     return paged_attention(q, k_cache, v_cache, block_tables, context_lens, jnp.arange(max(S, 0), dtype=jnp.int32),
-                           (context_lens > 0).astype(jnp.int32), scale, sliding_window, logit_soft_cap)
+                           (context_lens > 0).astype(jnp.int32), scale, sliding_window, logit_soft_cap, sinks)
 
 
 def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_starts, query_lens, scale: float,
-                    sliding_window: Optional[int] = None, logit_soft_cap: Optional[float] = None) -> "jax.Array":
+                    sliding_window: Optional[int] = None, logit_soft_cap: Optional[float] = None,
+                    sinks=None) -> "jax.Array":
     """Causal attention of token-flat queries over the paged cache, a whole ragged step at once.
 
     q ``[T, H, D]``; row ``s`` (of ``block_tables [S, max_blocks]``) owns the ``query_lens[s]``
     tokens from ``query_starts[s]``, its ``i``-th at position ``context_lens[s] - query_lens[s] + i``,
     which sees that row's keys up to its position (and, with ``sliding_window``, after its position
-    less the window; ``logit_soft_cap``: scores become ``cap * tanh(scores / cap)``). Returns ``[T, H, D]``; tokens no row owns are
+    less the window; ``logit_soft_cap``: scores become ``cap * tanh(scores / cap)``; ``sinks``: float32 ``[H]``
+    sink logits, one more term ``exp(sink)`` in each softmax's denominator). Returns ``[T, H, D]``; tokens no row owns are
     zeros. float32 or bfloat16, one dtype for all three, or 8-bit caches (int8 or fp8) in kv_quant's
     layout with any query dtype; float32 arithmetic."""
     import jax
@@ -55,6 +57,9 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     attrs = dict(scale=np.float32(scale), window=np.int64(sliding_window or 0), soft_cap=np.float32(logit_soft_cap or 0))
     T, H, D = q.shape
     S, KVH = block_tables.shape[0], k_cache.shape[2]
+    sinks = jnp.zeros((0,), jnp.float32) if sinks is None else jnp.asarray(sinks, jnp.float32)
+    if sinks.shape not in ((0,), (H,)):
+        raise ValueError(f"paged_attention: sinks need one logit per query head ({H},), got {sinks.shape}")
     rows = [jnp.asarray(x).astype(jnp.int32) for x in (block_tables, context_lens, query_starts, query_lens)]
     if any(x.shape != (S,) for x in rows[1:]):
         got = ", ".join(f"{name} {tuple(x.shape)}" for name, x in zip(("context_lens", "query_starts", "query_lens"), rows[1:]))
@@ -67,7 +72,7 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
                              f"dividing {H}; got k {k_cache.shape}")
         build.trace("attention int8 cache" if str(k_cache.dtype) == "int8" else "attention fp8 cache")
         out = jax.ffi.ffi_call(quantized[0], jax.ShapeDtypeStruct(q.shape, jnp.float32))(
-            q.astype(jnp.float32), k_cache, v_cache, *rows, **attrs)
+            q.astype(jnp.float32), k_cache, v_cache, *rows, sinks, **attrs)
         return out.astype(q.dtype)
     if k_cache.shape[3] != D or H % KVH:
         raise ValueError(f"paged_attention: {H} query heads of {D} need kv_heads dividing {H} and head_dim {D}; got "
@@ -78,4 +83,4 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
                          f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     build.trace(f"attention {dtype}")
     return jax.ffi.ffi_call(build.TARGETS[dtype][0], jax.ShapeDtypeStruct(q.shape, q.dtype))(
-        q, k_cache, v_cache, *rows, **attrs)
+        q, k_cache, v_cache, *rows, sinks, **attrs)

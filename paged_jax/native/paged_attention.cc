@@ -59,6 +59,7 @@ struct Problem {
   int64_t E;         // elements per token and head in the cache
   int64_t window;    // > 0: a query at position p sees keys p - window + 1 .. p only
   float soft_cap;    // > 0: scores become soft_cap * tanh(scores / soft_cap) before the softmax
+  const float* sinks;  // [H] a sink logit per query head in each softmax's denominator (nullptr: none)
 };
 
 inline float ToFloat(float x) { return x; }
@@ -417,8 +418,11 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64_
   const float** vr = vals.data();
   std::fill(out, out + nh * D, 0.f);
   std::fill(zeros, zeros + D, 0.f);
-  std::fill(m, m + nh, -INFINITY);
-  std::fill(den, den + nh, 0.f);
+  // The online softmax starts from the sink, a key with no value: max = sink, sum = exp(0).
+  for (int64_t r = 0; r < nh; ++r) {
+    m[r] = p.sinks ? p.sinks[h0 + r / n] : -INFINITY;
+    den[r] = p.sinks ? 1.f : 0.f;
+  }
   const int64_t first = int64_t{p.lens[s]} - p.qlens[s] + i0;  // position of query i0
   const T* query = p.q + ((p.starts[s] + i0) * p.H + h0) * D;
   T* result = p.out + ((p.starts[s] + i0) * p.H + h0) * D;
@@ -634,13 +638,15 @@ struct Rows {
 template <typename T, typename C>
 ffi::Error Run(ffi::ThreadPool pool, const T* q, ffi::Span<const int64_t> qd, const C* k, const C* v,
                ffi::Span<const int64_t> kd, ffi::Span<const int64_t> vd, const Rows& rows, float scale,
-               int64_t window, float soft_cap, T* out, int64_t extra) {
+               int64_t window, float soft_cap, const ffi::Buffer<ffi::F32>& sinks, T* out, int64_t extra) {
   auto bd = rows.tables.dimensions();
   if (qd.size() != 3 || kd.size() != 4 || bd.size() != 2 || vd.size() != 4 || !std::equal(kd.begin(), kd.end(), vd.begin()))
     return ffi::Error::InvalidArgument("paged_attention: expected q [T,H,D], caches [NB,BS,KVH,D(+2)], tables [S,MB]");
   Problem<T, C> p{q, k, v, rows.tables.typed_data(), rows.lens.typed_data(), rows.starts.typed_data(),
                   rows.qlens.typed_data(), out, qd[0], bd[0], qd[1], qd[2], kd[0], kd[1], kd[2], bd[1], scale, kd[3],
-                  window, soft_cap};
+                  window, soft_cap, sinks.element_count() ? sinks.typed_data() : nullptr};
+  if (sinks.element_count() != 0 && static_cast<int64_t>(sinks.element_count()) != p.H)
+    return ffi::Error::InvalidArgument("paged_attention: sinks need one entry a query head, or none");
   for (const auto* r : {&rows.lens, &rows.starts, &rows.qlens})
     if (r->dimensions().size() != 1 || r->dimensions()[0] != p.S)
       return ffi::Error::InvalidArgument("paged_attention: lengths, starts and query lengths need one entry a row");
@@ -710,26 +716,29 @@ ffi::Error Run(ffi::ThreadPool pool, const T* q, ffi::Span<const int64_t> qd, co
 template <ffi::DataType DT>
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k, ffi::Buffer<DT> v,
                 ffi::Buffer<ffi::S32> bt, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> starts,
-                ffi::Buffer<ffi::S32> qlens, float scale, int64_t window, float soft_cap, ffi::ResultBuffer<DT> out) {
+                ffi::Buffer<ffi::S32> qlens, ffi::Buffer<ffi::F32> sinks, float scale, int64_t window, float soft_cap,
+                ffi::ResultBuffer<DT> out) {
   return Run(pool, q.typed_data(), q.dimensions(), k.typed_data(), v.typed_data(), k.dimensions(), v.dimensions(),
-             Rows{bt, lens, starts, qlens}, scale, window, soft_cap, out->typed_data(), 0);
+             Rows{bt, lens, starts, qlens}, scale, window, soft_cap, sinks, out->typed_data(), 0);
 }
 
 // float32 queries over an int8 cache with a float16 scale per token and head (kv_quant's layout).
 ffi::Error ImplQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k, ffi::Buffer<ffi::S8> v,
                   ffi::Buffer<ffi::S32> bt, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> starts,
-                  ffi::Buffer<ffi::S32> qlens, float scale, int64_t window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+                  ffi::Buffer<ffi::S32> qlens, ffi::Buffer<ffi::F32> sinks, float scale, int64_t window, float soft_cap,
+                  ffi::ResultBuffer<ffi::F32> out) {
   return Run(pool, q.typed_data(), q.dimensions(), k.typed_data(), v.typed_data(), k.dimensions(), v.dimensions(),
-             Rows{bt, lens, starts, qlens}, scale, window, soft_cap, out->typed_data(), 2);
+             Rows{bt, lens, starts, qlens}, scale, window, soft_cap, sinks, out->typed_data(), 2);
 }
 
 // The same over an fp8 cache: e4m3 bits in uint8 (as kv_quant stores them), a float16 scale each.
 ffi::Error ImplFp8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U8> k, ffi::Buffer<ffi::U8> v,
                    ffi::Buffer<ffi::S32> bt, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> starts,
-                   ffi::Buffer<ffi::S32> qlens, float scale, int64_t window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+                   ffi::Buffer<ffi::S32> qlens, ffi::Buffer<ffi::F32> sinks, float scale, int64_t window, float soft_cap,
+                   ffi::ResultBuffer<ffi::F32> out) {
   return Run(pool, q.typed_data(), q.dimensions(), reinterpret_cast<const Fp8E4M3*>(k.typed_data()),
              reinterpret_cast<const Fp8E4M3*>(v.typed_data()), k.dimensions(), v.dimensions(),
-             Rows{bt, lens, starts, qlens}, scale, window, soft_cap, out->typed_data(), 2);
+             Rows{bt, lens, starts, qlens}, scale, window, soft_cap, sinks, out->typed_data(), 2);
 }
 
 }  // namespace
@@ -756,6 +765,7 @@ extern "C" int PagedJaxAttentionIsa() {
       .Arg<ffi::Buffer<ffi::S32>>()          \
       .Arg<ffi::Buffer<ffi::S32>>()          \
       .Arg<ffi::Buffer<ffi::S32>>()          \
+      .Arg<ffi::Buffer<ffi::F32>>()          \
       .Attr<float>("scale")                  \
       .Attr<int64_t>("window")               \
       .Attr<float>("soft_cap")               \
