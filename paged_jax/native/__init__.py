@@ -21,7 +21,10 @@ with scales and optional zero points per column or block and per group of rows, 
 order or not) are multiplied by :func:`linear_quantized`, which reads the quantized panels and turns them into float32 on
 the way; without AVX-512, a step with more rows than :func:`quantized_native_rows` (a long prefill
 chunk) has XLA dequantize the panels and run its matmul instead, the faster there. W8A8 (int8 activations per token, int8 weights per column) is an integer matmul,
-:func:`linear_int8`, where the library was built with AVX-512 VNNI or AVX2. Which weights are stored
+:func:`linear_int8`, where the library was built with AVX-512 VNNI or AVX2. Symmetric int4 weights
+quantized on load run as llama.cpp runs q4_0: :func:`linear_int4` (``linear_int4.cc``) quantizes the
+activations to int8 per block of 32 in the kernel and sums integer products on the nibbles
+(:func:`pack_int4_blocks`' layout; VNNI, AVX2's ``vpmaddubsw`` or portable loops). Which weights are stored
 this way, and when, is :mod:`paged_jax.weights.panels`' and :func:`paged_jax.weights.prepare`'s
 business: this package is the build (:mod:`~paged_jax.native.build`), the FFI calls
 (:mod:`~paged_jax.native.attention`, :mod:`~paged_jax.native.linear`) and the C++, and imports
