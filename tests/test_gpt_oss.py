@@ -244,12 +244,19 @@ def test_gpt_oss_config_and_refusals(gpt_oss_dir):
 @pytest.mark.slow  # about 70 s: a process with 2 CPU devices
 def test_gpt_oss_expert_parallel_greedy_equals_transformers(gpt_oss_dir, tmp_path):
     """tensor_parallel_size=2: heads, their sinks and the 4 experts split over 2 devices (2 whole experts
-    each), in a pool tight enough to swap; greedy tokens equal transformers'."""
+    each), in a pool tight enough to swap, and restored from an orbax checkpoint straight into its shards;
+    greedy tokens equal transformers'."""
+    from paged_jax.parallel.checkpoint import convert
     from tests.test_tensor_parallel import run_worker
 
     hf = load_hf(gpt_oss_dir)
     prompts = _prompts(hf.config.vocab_size, sizes=(5, 21, 40, 13), seed=11)
-    got, = run_worker(tmp_path, [dict(model=str(gpt_oss_dir), tp=2, prompts=prompts, max_tokens=10,
-                                      num_kv_blocks=14, block_size=8, preemption_mode="swap")], devices=2)
-    assert got["shards"]["experts.gate"][0][0] == 2 and got["all_free"] and got["preemptions"]["swap"] > 0
-    assert got["tokens"] == [_hf_greedy(hf, p, 10) for p in prompts]
+    ckpt = convert(gpt_oss_dir, tmp_path / "ckpt")
+    run = dict(tp=2, prompts=prompts, max_tokens=10, block_size=8)
+    runs = run_worker(tmp_path, [dict(run, model=str(gpt_oss_dir), num_kv_blocks=14, preemption_mode="swap"),
+                                 dict(run, model=str(ckpt), num_kv_blocks=64)], devices=2)
+    want = [_hf_greedy(hf, p, 10) for p in prompts]
+    for got in runs:
+        assert got["shards"]["experts.gate"][0][0] == 2 and got["all_free"]
+        assert got["tokens"] == want
+    assert runs[0]["preemptions"]["swap"] > 0
