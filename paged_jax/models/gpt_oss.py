@@ -99,11 +99,12 @@ FAMILY = ModelFamily(
     name="gpt_oss", architectures=("GptOssForCausalLM",), model_types=("gpt_oss",),
     config_from_hf=config_from_hf, hf_tensor_shapes=hf_tensor_shapes, params_from_hf=params_from_hf,
     embed=llama.embed, layer=layer, final=llama.final,
-    # a window of 8 on layers 0 and 2, so that short prompts already cross it; YaRN over 64 positions
+    # a window of 8 on layer 0 (layer 1 sees everything), so that short prompts already cross it; YaRN over 64
+    # positions
     tiny_config=dict(architectures=["GptOssForCausalLM"], model_type="gpt_oss", hidden_size=64,
-                     intermediate_size=48, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                     intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                      head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
-                     layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=2048,
+                     layer_types=["sliding_attention", "full_attention"], max_position_embeddings=2048,
                      rms_norm_eps=1e-5, attention_bias=True, tie_word_embeddings=False, hidden_act="silu",
                      swiglu_alpha=1.702, swiglu_limit=7.0,
                      rope_parameters=dict(rope_type="yarn", factor=32.0, beta_fast=32.0, beta_slow=1.0,
