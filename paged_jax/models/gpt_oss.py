@@ -4,7 +4,7 @@ LLaMA's layer (RMSNorms, RoPE, grouped-query attention, here with biases on Q/K/
 
 - attention sinks: a learned logit per query head that joins every softmax's denominator
   (``self_attn.sinks``; :class:`~paged_jax.attention.AttentionSpec` ``sinks``, honoured by the
-  reference backend and refused by the kernels that lack it);
+  reference and native backends, refused at start by the Pallas kernels);
 - a sliding window (``sliding_window``, 128) on alternating layers (``layer_types``: even layers
   windowed), so the model gets one layer group per kind (:mod:`paged_jax.memory.layer_groups`);
 - YaRN RoPE (``rope_parameters``, factor 32 over 4,096 positions, ``truncate`` false);
