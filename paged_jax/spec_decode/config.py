@@ -22,8 +22,8 @@ class SpeculativeConfig:
     ``num_speculative_tokens`` a step, from suffixes of ``prompt_lookup_min`` to
     ``prompt_lookup_max`` tokens (vLLM's defaults: both 5 when neither is given, otherwise the
     missing one equals the given one). ``model`` (method ``"draft_model"``, implied by the key): a
-    smaller model with the target's vocabulary proposes the drafts, greedily (:mod:`.draft_model`).
-    ``disable_by_batch_size``: no speculation in a step that runs
+    smaller model with the target's vocabulary proposes the drafts (:mod:`.draft_model`: its argmax for
+    greedy requests, sampled for the others). ``disable_by_batch_size``: no speculation in a step that runs
     at least that many sequences (None: always on; not given: :data:`DEFAULT_DISABLE_BY_BATCH_SIZE`)."""
 
     method: str
