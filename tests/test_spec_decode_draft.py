@@ -70,6 +70,22 @@ def test_the_target_as_its_own_draft_has_every_greedy_draft_accepted(tiny_llama_
     _check_all_blocks_back(spec.llm_engine)
 
 
+def test_the_draft_loop_without_greedy_ids_from_the_step(tiny_llama_dir, monkeypatch):
+    """Past GREEDY_IN_STEP_MAX_LOGITS (many rows, a large vocabulary) the step returns no greedy ids;
+    the draft loop takes the argmax of the logits itself (here for every step: the limit set to 0)."""
+    from paged_jax.executor import model_runner
+
+    monkeypatch.setattr(model_runner, "GREEDY_IN_STEP_MAX_LOGITS", 0)
+    target = str(tiny_llama_dir)
+    spec = LLM(target, block_size=4, num_kv_blocks=64, max_model_len=64,
+               speculative_config={"model": target, "num_speculative_tokens": 3})
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = LLM(target, block_size=4, num_kv_blocks=64, max_model_len=64).generate(PROMPTS[:2], params, use_tqdm=False)
+    got = spec.generate(PROMPTS[:2], params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    assert spec.llm_engine.get_stats()["spec_decode"]["acceptance_rate"] >= 0.95
+
+
 def test_a_draft_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path):
     draft = make_tiny_model(tmp_path / "small-vocab", family="llama", vocab_size=256)
     with pytest.raises(ValueError, match="vocabulary of 256 tokens, the target 512"):

@@ -20,6 +20,7 @@ from jax import lax
 
 from paged_jax.executor.batch import SeqChunk, bucket, prepare_batch
 from paged_jax.memory.block_allocator import NULL_BLOCK
+from paged_jax.sampler import greedy_tokens
 
 if TYPE_CHECKING:
     from paged_jax.executor.batch import Batch
@@ -42,7 +43,9 @@ def make_draft_loop(step, block_size: int, num_steps: int):
             b = dataclasses.replace(batch, input_ids=tokens, positions=pos, rope_lengths=pos + 1, slot_mapping=slot,
                                     context_lens=jnp.where(live_rows, pos + 1, 0))
             step_out, kv = step(params, kv, b, False)
-            return kv, step_out.greedy_ids, out.at[j].set(step_out.greedy_ids)
+            # The step leaves greedy ids out past GREEDY_IN_STEP_MAX_LOGITS (many rows, a large vocabulary).
+            ids = step_out.greedy_ids if step_out.greedy_ids is not None else greedy_tokens(step_out.logits)[0]
+            return kv, ids, out.at[j].set(ids)
 
         out = jnp.zeros((num_steps, batch.block_tables.shape[0]), jnp.int32)
         kv_caches, _, out = lax.fori_loop(0, num_steps, body, (kv_caches, batch.input_ids, out))

@@ -22,7 +22,6 @@ import numpy as np
 from paged_jax.executor.interface import Sample
 from paged_jax.outputs import make_logprobs_dict
 from paged_jax.seeds import seed_for_sample
-from paged_jax.spec_decode.rejection import rejection_sample
 
 if TYPE_CHECKING:
     from paged_jax.scheduler import ScheduledSeq
@@ -72,6 +71,8 @@ def verify(drafts: list[int], sampled: SampledDrafts, samples: list[Sample], k: 
     ``samples``: the target's, one per position, each carrying ``p`` (``Sample.probs``); ``k``: the
     most drafts a row gets (one compiled shape for every row); ``offset``: the output tokens before
     the first draft."""
+    from paged_jax.spec_decode.rejection import rejection_sample  # jitted: JAX only once a sampled draft is verified
+
     n = len(drafts)
     p = np.stack([s.probs for s in samples]).astype(np.float32)
     V = p.shape[1]
