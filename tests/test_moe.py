@@ -33,6 +33,27 @@ def numpy_moe(x, router, gate_up, down, top_k, scoring, renormalize, shared=None
     return out
 
 
+def random_moe(rng, E, H, I, S):
+    """Random weights of a mixture of ``E`` experts (``H`` wide, experts ``I``, a shared expert ``S``
+    with its gate): the numpy arrays ``numpy_moe`` takes (router, gate_up, down, shared, shared_gate)
+    and the layer's params, float32."""
+    import jax.numpy as jnp
+
+    from paged_jax.weights import DenseLinear, ExpertStack
+
+    router = rng.standard_normal((H, E)).astype(np.float32)
+    gate_up = (0.3 * rng.standard_normal((E, H, 2 * I))).astype(np.float32)
+    down = (0.3 * rng.standard_normal((E, I, H))).astype(np.float32)
+    shared = [(0.3 * rng.standard_normal(s)).astype(np.float32) for s in ((H, S), (H, S), (S, H))]
+    shared_gate = rng.standard_normal((H, 1)).astype(np.float32)
+    stack = lambda w: ExpertStack(DenseLinear(jnp.asarray(w)))  # noqa: E731
+    params = {"router": DenseLinear(jnp.asarray(router)), "gate": stack(gate_up[..., :I]),
+              "up": stack(gate_up[..., I:]), "down": stack(down),
+              "shared": {n: DenseLinear(jnp.asarray(w)) for n, w in zip(("gate", "up", "down"), shared)},
+              "shared_gate": DenseLinear(jnp.asarray(shared_gate))}
+    return router, gate_up, down, shared, shared_gate, params
+
+
 @pytest.mark.parametrize("scoring,renormalize", [("softmax", True), ("sigmoid", False),
                                                  pytest.param("softmax", False, marks=pytest.mark.slow)])
 def test_moe_layer_matches_numpy_reference(scoring, renormalize):
@@ -40,22 +61,13 @@ def test_moe_layer_matches_numpy_reference(scoring, renormalize):
     import jax.numpy as jnp
 
     from paged_jax.models import moe
-    from paged_jax.weights import DenseLinear, ExpertStack
+    from paged_jax.weights import DenseLinear
 
     E, k, H, I, S = 8, 2, 16, 12, 10
     rng = np.random.default_rng(0)
-    router = rng.standard_normal((H, E)).astype(np.float32)
-    gate_up = (0.3 * rng.standard_normal((E, H, 2 * I))).astype(np.float32)
-    down = (0.3 * rng.standard_normal((E, I, H))).astype(np.float32)
-    shared = [(0.3 * rng.standard_normal(s)).astype(np.float32) for s in ((H, S), (H, S), (S, H))]
-    shared_gate = rng.standard_normal((H, 1)).astype(np.float32)
+    router, gate_up, down, shared, shared_gate, params = random_moe(rng, E, H, I, S)
     cfg = moe.MoEConfig(E, k, I, renormalize, (0,), scoring=scoring, shared_intermediate_size=S,
                         shared_expert_gate=True)
-    stack = lambda w: ExpertStack(DenseLinear(jnp.asarray(w)))  # noqa: E731
-    params = {"router": DenseLinear(jnp.asarray(router)), "gate": stack(gate_up[..., :I]),
-              "up": stack(gate_up[..., I:]), "down": stack(down),
-              "shared": {n: DenseLinear(jnp.asarray(w)) for n, w in zip(("gate", "up", "down"), shared)},
-              "shared_gate": DenseLinear(jnp.asarray(shared_gate))}
     run = jax.jit(lambda p, x, real: moe.moe_mlp(p, cfg, x, real))  # the engine's path: real tokens marked
     biased = router.copy()
     biased[:, 4] += 50.0  # every token's first choice is expert 4: one segment as long as the batch

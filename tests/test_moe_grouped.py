@@ -10,7 +10,7 @@ import pytest
 from paged_jax import native
 from paged_jax.native.grouped import grouped_linear
 from tests.native_paths import PORTABLE_FLAGS, native_paths_report, run_build  # noqa: F401 (autouse: the paths report)
-from tests.test_moe import numpy_moe
+from tests.test_moe import numpy_moe, random_moe
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels not built: {native.status()}")
 
@@ -89,23 +89,14 @@ def test_mixture_on_packed_experts_matches_numpy():
     PanelExpertStack, their widths padded to a panel), one token (decode), 2, 32 (every expert
     chosen), one expert chosen by every token, and a padded batch (the padding routes nowhere)."""
     from paged_jax.models import moe
-    from paged_jax.weights import DenseLinear, ExpertStack
+    from paged_jax.weights import DenseLinear
     from paged_jax.weights.experts import PanelExpertStack
     from paged_jax.weights.panels import to_panels
 
     E, k, H, I, S = 8, 2, 16, 12, 10
     rng = np.random.default_rng(0)
-    router = rng.standard_normal((H, E)).astype(np.float32)
-    gate_up = (0.3 * rng.standard_normal((E, H, 2 * I))).astype(np.float32)
-    down = (0.3 * rng.standard_normal((E, I, H))).astype(np.float32)
-    shared = [(0.3 * rng.standard_normal(s)).astype(np.float32) for s in ((H, S), (H, S), (S, H))]
-    shared_gate = rng.standard_normal((H, 1)).astype(np.float32)
+    router, gate_up, down, shared, shared_gate, params = random_moe(rng, E, H, I, S)
     cfg = moe.MoEConfig(E, k, I, True, (0,), shared_intermediate_size=S, shared_expert_gate=True)
-    stack = lambda w: ExpertStack(DenseLinear(jnp.asarray(w)))  # noqa: E731
-    params = {"router": DenseLinear(jnp.asarray(router)), "gate": stack(gate_up[..., :I]),
-              "up": stack(gate_up[..., I:]), "down": stack(down),
-              "shared": {n: DenseLinear(jnp.asarray(w)) for n, w in zip(("gate", "up", "down"), shared)},
-              "shared_gate": DenseLinear(jnp.asarray(shared_gate))}
     packed = to_panels(params)
     assert all(isinstance(packed[n], PanelExpertStack) for n in ("gate", "up", "down"))
     run = jax.jit(lambda p, x, real: moe.moe_mlp(p, cfg, x, real))
