@@ -33,7 +33,7 @@ import bench_common  # noqa: F401  (puts this checkout on the path)
 from paged_jax.models import moe, moe_experts
 from paged_jax import native
 from paged_jax.weights import DenseLinear, ExpertStack
-from paged_jax.weights.experts import PanelExpertStack
+from paged_jax.weights.panels import PanelExpertStack
 
 
 def dense_all_experts(x, router, gate_up, down, cfg):

@@ -58,7 +58,7 @@ def test_grouped_linear_xla_fallback_matches_numpy(monkeypatch):
 def test_packed_stack_with_biases_matches_numpy():
     """gpt-oss's experts have biases: each row gets its own expert's; rows of no expert stay 0."""
     from paged_jax.weights import DenseLinear, ExpertStack
-    from paged_jax.weights.experts import PanelExpertStack, packable
+    from paged_jax.weights.panels import PanelExpertStack, experts_packable
 
     counts, K, N, past = [3, 0, 9, 1, 0, 20, 2, 5], 40, 72, 4  # 72 columns: padded to two 48-column panels
     rng = np.random.default_rng(7)
@@ -66,7 +66,7 @@ def test_packed_stack_with_biases_matches_numpy():
     b = rng.standard_normal((len(counts), N)).astype(np.float32)
     want[:offsets[-1]] += b[np.repeat(np.arange(len(counts)), counts)]
     stack = ExpertStack(DenseLinear(jnp.asarray(w), jnp.asarray(b)))
-    assert packable(stack)
+    assert experts_packable(stack)
     packed = PanelExpertStack.pack(stack)
     got = np.asarray(jax.jit(packed.grouped)(jnp.asarray(x), jnp.asarray(offsets)))
     np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-4)
@@ -90,7 +90,7 @@ def test_mixture_on_packed_experts_matches_numpy():
     chosen), one expert chosen by every token, and a padded batch (the padding routes nowhere)."""
     from paged_jax.models import moe
     from paged_jax.weights import DenseLinear
-    from paged_jax.weights.experts import PanelExpertStack
+    from paged_jax.weights.panels import PanelExpertStack
     from paged_jax.weights.panels import to_panels
 
     E, k, H, I, S = 8, 2, 16, 12, 10

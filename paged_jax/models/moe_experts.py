@@ -3,7 +3,7 @@ one grouped matmul (:func:`grouped_experts`), or with the experts split over dev
 running its own (:func:`split_experts`).
 
 On a CPU with the native library's AVX-512 tiles the engine stores float32 experts as
-:class:`~paged_jax.weights.experts.PanelExpertStack` (column panels), and the step is the native
+:class:`~paged_jax.weights.panels.PanelExpertStack` (column panels), and the step is the native
 grouped matmul (``paged_jax/native/grouped_linear.cc``): the (token, expert) pairs sorted by
 expert, exactly their rows (T x k, no window padding), every expert's segment over its own panels
 with the float32 matmul's register tiles, one call per projection. Each chosen expert's weight is

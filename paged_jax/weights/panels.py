@@ -17,9 +17,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import native
-from paged_jax.weights import experts
 from paged_jax.weights.base import map_weights, weight_class
 from paged_jax.weights.dense import DenseEmbedding, DenseLinear
+from paged_jax.weights.experts import ExpertStack
 from paged_jax.weights.quantized import QuantizedLinear, pack_nibbles, quantize_per_token, rounded_activations
 
 @weight_class
@@ -146,6 +146,57 @@ class PanelEmbedding:
         return native.linear(h, self.panels)[..., :self.vocab_size]
 
 
+@weight_class
+class PanelExpertStack:
+    """A float32 ``ExpertStack(DenseLinear)`` as each expert's weight in column panels,
+    ``panels [E, P, in, W]`` (:func:`paged_jax.native.pack_padded` per expert; output columns past
+    ``out_features`` are padding, cut off), and its biases ``b [E, out]`` or None."""
+
+    STATIC = ("out_features", "parallel")
+    AXES = {}  # one device only
+    panels: Any
+    b: Any = None
+    out_features: int = 0
+    parallel: Optional[str] = None
+
+    @classmethod
+    def pack(cls, stack: ExpertStack) -> "PanelExpertStack":
+        w = stack.linear.w
+        return cls(jnp.stack([native.pack_padded(w[e]) for e in range(w.shape[0])]), stack.linear.b,
+                   out_features=w.shape[2])
+
+    @property
+    def num_experts(self) -> int:
+        return self.panels.shape[0]
+
+    def grouped(self, rows, offsets):
+        """``rows [M, in]`` sorted by expert, expert ``e``'s at ``offsets[e]`` .. ``offsets[e + 1]``
+        (``offsets [E + 1]``; rows past ``offsets[E]`` give 0) -> ``[M, out]`` float32."""
+        from paged_jax.native.grouped import grouped_linear
+
+        y = grouped_linear(rows.astype(jnp.float32), offsets, self.panels)
+        y = y if y.shape[-1] == self.out_features else y[:, :self.out_features]
+        if self.b is None:
+            return y
+        E = self.num_experts
+        expert = jnp.searchsorted(offsets, jnp.arange(rows.shape[0]), side="right") - 1  # E: past the last
+        return y + jnp.where((expert < E)[:, None], self.b[jnp.minimum(expert, E - 1)], 0).astype(jnp.float32)
+
+    def __getitem__(self, e):
+        return PanelLinear(self.panels[e], None if self.b is None else self.b[e], out_features=self.out_features)
+
+    def __call__(self, xs):
+        E, rows, _ = xs.shape
+        y = self.grouped(xs.reshape(E * rows, -1), jnp.arange(E + 1, dtype=jnp.int32) * rows)
+        return y.reshape(E, rows, -1)
+
+
+def experts_packable(stack) -> bool:
+    """Whether :meth:`PanelExpertStack.pack` takes ``stack``: float32 dense experts (biases or not)."""
+    return isinstance(stack, ExpertStack) and isinstance(stack.linear, DenseLinear) and stack.linear.w.ndim == 3 \
+        and stack.linear.w.dtype == jnp.float32
+
+
 def quantized_packable(p: QuantizedLinear) -> bool:
     """Whether :func:`pack_quantized` takes a ``QuantizedLinear``: int8, int4 or fp8 e4m3 values
     with scales (and optionally zero points) per block of whole groups of rows (an even count for
@@ -248,8 +299,8 @@ def to_panels(params, floats: bool = True, int8: Optional[bool] = None, int4_int
                                         out_features=x.values.shape[1], parallel=x.parallel, int8_activations=blocks)
         if floats and isinstance(x, DenseLinear) and x.w.ndim == 2 and x.w.dtype == jnp.float32:
             return PanelLinear(native.pack_padded(x.w), x.b, out_features=x.w.shape[1], parallel=x.parallel)
-        if floats and experts.packable(x):  # a mixture's float32 experts: the native grouped matmul
-            return experts.PanelExpertStack.pack(x)
+        if floats and experts_packable(x):  # a mixture's float32 experts: the native grouped matmul
+            return PanelExpertStack.pack(x)
         if floats and isinstance(x, DenseEmbedding) and x.tied and x.table.dtype == jnp.float32:
             return PanelEmbedding(native.pack_padded(x.table.T), vocab_size=x.table.shape[0], parallel=x.parallel)
         return x
