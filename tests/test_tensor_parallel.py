@@ -112,11 +112,18 @@ def test_params_and_kv_cache_are_split(tp_runs, variant, tp):
 @pytest.mark.parametrize("variant", ["llama_gqa", "opt_pre"])
 def test_step_communicates_like_megatron(tp_runs, variant):
     """XLA partitions the step without gathering weights: all-reduces (after the row-parallel
-    layers and the vocab-split embedding) and one all-gather, of the vocab-split logits."""
+    layers and the vocab-split embedding) and one all-gather of the vocab-split logits; the greedy
+    tokens the step returns are reduced over the vocabulary shards where they lie (each shard's
+    maximum and its index gathered, the log-sum-exp of the greedy logprob all-reduced: [rows] each)."""
     coll = tp_runs[0][(variant, 2)]["collectives"]
     assert set(coll) <= {"all-reduce", "all-gather"}, coll
-    assert 1 <= len(coll["all-reduce"]) <= 2 * 2 + 1, coll  # 2 layers: attention output, MLP down; embedding
-    assert [s.split("{")[0] for s in coll.get("all-gather", [])] == ["f32[2,512]"], coll  # [rows, vocab]
+    reduces = [s.split("{")[0] for s in coll["all-reduce"]]
+    assert reduces.count("f32[2]") <= 1, coll  # the greedy logprob's log-sum-exp, [rows]
+    hidden = [s for s in reduces if s != "f32[2]"]
+    assert 1 <= len(hidden) <= 2 * 2 + 1, coll  # 2 layers: attention output, MLP down; embedding
+    assert all(s == "f32[2,64]" for s in hidden), coll  # [rows, hidden]: no weight is gathered
+    gathers = sorted(s.split("{")[0] for s in coll.get("all-gather", []))
+    assert gathers in (["f32[2,512]"], ["f32[2,2]", "f32[2,512]", "s32[2,2]"]), coll  # logits; greedy per shard
 
 
 def transformers_greedy(model, prompts, max_tokens) -> list:
