@@ -21,13 +21,13 @@ import numpy as np
 
 from paged_jax.executor.interface import Sample
 from paged_jax.outputs import make_logprobs_dict
+from paged_jax.sampling_params import SamplingType
 from paged_jax.seeds import seed_for_sample
 
 if TYPE_CHECKING:
     from paged_jax.scheduler import ScheduledSeq
 
 DRAFT, VERIFY = 0, 1  # the uses a seeded row's generators are keyed by
-_SAMPLING_EPS = 1e-5  # SamplingParams': a temperature below it is greedy
 
 
 @dataclass
@@ -42,7 +42,7 @@ class SampledDrafts:
 
 def is_sampled(row: "ScheduledSeq") -> bool:
     """Whether a row's request samples (its drafts are then drawn, not argmax)."""
-    return row.group.sampling_params.temperature >= _SAMPLING_EPS
+    return row.group.sampling_params.sampling_type is not SamplingType.GREEDY
 
 
 def row_seed(row: "ScheduledSeq") -> Optional[int]:
