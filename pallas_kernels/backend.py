@@ -10,7 +10,9 @@
 Both honour every :class:`~paged_jax.attention.spec.AttentionSpec` field (scale, sliding
 window, logit soft-cap: arguments of both kernels), over float caches or 8-bit ones
 (``kv_cache_dtype="int8" | "fp8"``, dequantized inside the kernels). ``decode`` runs the decode kernel,
-``prefill`` the prefill kernel (whose rows with one query are decodes).
+``prefill`` the prefill kernel (whose rows with one query are decodes). Speculative decoding's
+verification rows (a sequence's pending token and its drafts) are query tiles of the prefill kernel
+(``verifies_in_tiles``), causal within the tile like any prefill chunk.
 
 This module imports nothing from ``paged_jax.attention`` (that package imports this one to
 register the backends): the backend objects follow its protocol by their methods alone.
@@ -43,6 +45,10 @@ class PallasBackend:
 
     spec_fields = frozenset({"sliding_window", "logit_soft_cap"})  # arguments of both kernels
     dtypes = DTYPES
+    # A tile padded to the step's tile size costs only its queries: the prefill kernel's programs past a
+    # sequence's last query run no loop. One program reads a row's K/V once for its pending token and all
+    # its drafts, where a decode row per token would read it once per token.
+    verifies_in_tiles = True
 
     def check(self, spec, dtype: str) -> None:
         if not self.interpret and jax.default_backend() != "gpu":

@@ -108,6 +108,27 @@ def test_outputs_equal_the_same_engine_with_speculation_set_aside():
         engine.add_request("beam", PROMPTS[0], SamplingParams(use_beam_search=True, best_of=2, temperature=0))
 
 
+def test_pallas_scores_a_rows_drafts_as_one_query_tile():
+    """The Pallas kernels (interpret mode on the CPU) score a row's pending token and its drafts as one
+    query tile of the prefill kernel, causal within the tile: plain decoding's greedy tokens, from the
+    same engine with its SpecDecoder set aside, with drafts both accepted and rejected."""
+    llm = LLM(attention_backend="pallas-interpret", num_kv_blocks=8, max_model_len=64, speculative_config=SPEC)
+    engine = llm.llm_engine
+    assert not engine.runner.drafts_as_rows  # the backend declares verifies_in_tiles
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    decoder, engine.spec_decoder = engine.spec_decoder, None
+    expected = llm.generate(PROMPTS[3], params, use_tqdm=False)[0].outputs[0].token_ids
+    engine.spec_decoder = decoder
+    got = llm.generate(PROMPTS[3], params, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == expected
+    sd = engine.get_stats()["spec_decode"]
+    assert 0 < sd["num_accepted_tokens"] < sd["num_draft_tokens"], sd
+    # The drafted steps ran as query tiles (a shape with tiles, every token's logits), not decode rows.
+    assert any(key[3] and all_logits for key, all_logits in engine.runner._compiled)
+    engine.block_manager.check_invariants()
+    assert engine.block_manager.gpu_allocator.num_free_blocks == engine.block_manager.gpu_allocator.num_total_blocks
+
+
 @pytest.mark.parametrize("config,message", [
     ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
     ({"method": "ngram"}, "num_speculative_tokens"),

@@ -7,6 +7,9 @@ A backend has a ``name``, declares what it honours:
   has not declared (:func:`non_default_fields`). A backend declaring ``sinks`` takes the layer's
   sink logits as a keyword argument, ``sinks`` float32 ``[H]``, in each call below (only then);
 - ``dtypes``: the cache dtypes it takes (absent: any its ``check`` accepts);
+- ``verifies_in_tiles``: True where a query tile costs the backend its real queries, not its
+  padded size: speculative decoding then scores a row's pending token and drafts as one query
+  tile (absent: as a decode row per token; :func:`paged_jax.executor.draft_rows.drafts_as_rows`);
 
 and has a ``check`` method and either a ragged kernel or a decode and a prefill one:
 
@@ -213,6 +216,7 @@ class NativeBackend:
     name = "native"
     spec_fields = frozenset({"sliding_window", "logit_soft_cap", "sinks"})  # kernel arguments
     dtypes = ("float32", "bfloat16", "int8", "fp8")
+    verifies_in_tiles = True  # the kernel sizes each sequence's work to its queries
 
     def check(self, spec: AttentionSpec, dtype: str) -> None:
         from paged_jax import native

@@ -12,6 +12,15 @@ if TYPE_CHECKING:
     from paged_jax.scheduler import SchedulerOutput
 
 
+def drafts_as_rows(backend) -> bool:
+    """Whether steps on attention ``backend`` run a row's pending token and drafts as a decode row per
+    token (:func:`verification_chunks`), rather than as one query tile: unless the backend declares
+    ``verifies_in_tiles`` (its tiles cost their real queries: native, Pallas). The jnp reference pads
+    a tile to 256 queries, and a tile of 5 tokens cost it 10-20x a decode step against 2-4x for the
+    rows (README, Speculative decoding)."""
+    return not getattr(backend, "verifies_in_tiles", False)
+
+
 def verification_chunks(out: SchedulerOutput, sampling: Sequence[RowSampling],
                         drafts_as_rows: bool) -> tuple[list[SeqChunk], list[tuple]]:
     """The step's chunks, and each one's ``(scheduled row, first scored position)``: None for a row

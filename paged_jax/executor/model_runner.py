@@ -21,7 +21,7 @@ from paged_jax import envs
 from paged_jax.attention import AUTO, kv_quant, select_backend
 from paged_jax.executor import executable_cache
 from paged_jax.executor.batch import Batch, prepare_batch, split_steps, warmup_shapes
-from paged_jax.executor.draft_rows import verification_chunks
+from paged_jax.executor.draft_rows import drafts_as_rows, verification_chunks
 from paged_jax.executor.interface import RowSampling, StepResult, check_sampling
 from paged_jax.executor.sampling import StepSampler
 from paged_jax.memory import cache_ops
@@ -147,11 +147,9 @@ class ModelRunner:
         self.attn = select_backend(attention_backend, [config.attention_spec(i) for i in range(config.num_layers)],
                                    cache_dtype, native_kernels=native_kernels)
         self.attention_backend = self.attn.name
-        # Speculative decoding: a row with drafts runs its tokens as one query tile where the backend's
-        # ragged kernel sizes tiles to their queries (native), else as a decode row per token
-        # (verification_chunks): the jnp reference pads a tile to 256 queries, and a tile of 5 tokens
-        # cost it 10-20x a decode step against 2-4x for the rows (README, Speculative decoding).
-        self.drafts_as_rows = self.attention_backend != "native"
+        # Speculative decoding: a row with drafts runs its tokens as one query tile where the backend
+        # declares its tiles cost their queries (native, Pallas), else as a decode row per token.
+        self.drafts_as_rows = drafts_as_rows(self.attn)
         self.seed = seed
         self.mesh, self.kv_sharding, out_shardings = mesh, None, None
         if mesh is not None:
