@@ -188,8 +188,9 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         if num_gpu_blocks < 2:
             raise ValueError("not enough memory for a KV cache: give num_kv_blocks or more memory")
     num_cpu_blocks = min(cap, num_blocks_for_memory(mc, bs, int(args.swap_space * (1 << 30)), layout.num_slots))
-    block_manager = make_block_manager(layout, bs, num_gpu_blocks, num_cpu_blocks, watermark=args.watermark,
-                                       enable_prefix_caching=args.enable_prefix_caching,
+    # The budget bounds a step's chunk of one sequence: the windowed groups take a prompt's blocks chunk by chunk.
+    block_manager = make_block_manager(layout, bs, num_gpu_blocks, num_cpu_blocks, max_num_batched_tokens=budget,
+                                       watermark=args.watermark, enable_prefix_caching=args.enable_prefix_caching,
                                        enable_block_sharing=args.enable_block_sharing)
     runner = ModelRunner(mc, params, bs, num_gpu_blocks, num_cpu_blocks, args.attention_backend, args.seed,
                          mesh=mesh, native_kernels=native, compile_cache_dir=args.compile_cache_dir, kv_layout=layout)

@@ -3,7 +3,9 @@ group (BlockManager) or several (HybridBlockManager: each group's K/V simulated 
 
 The machine plays a tiny scheduler and executor: requests with shared prompt
 prefixes over a 3-token alphabet (so prefix hits happen), decode and multi-token
-growth, speculation (drafts written, the rejected ones rolled back), forks,
+growth, prompts in chunks (with several groups, their windowed groups' blocks
+taken chunk by chunk when the manager is given a step budget), speculation
+(drafts written, the rejected ones rolled back), forks,
 finishes, swap out / in, recompute preemption, pins and cache resets, in small
 pools (so eviction and preemption happen). It also simulates the KV contents:
 every computed slot holds a value derived from the sequence's tokens up to that
@@ -47,13 +49,18 @@ class BlockManagerMachine(RuleBasedStateMachine):
     # Each layer group's sliding window: one group (every layer's window, or none), or several groups
     # sharing one pool (full attention beside windows, as Gemma's layers).
     @initialize(caching=st.booleans(), watermark=st.sampled_from([0.0, 0.1]),
-                windows=st.sampled_from([(None,), (3,), (4,), (3, None), (None, 4, 4), (None, 3, None)]))
-    def setup(self, caching: bool, watermark: float, windows) -> None:
+                windows=st.sampled_from([(None,), (3,), (4,), (3, None), (None, 4, 4), (None, 3, None)]),
+                budget=st.sampled_from([None, 2, 5]))
+    def setup(self, caching: bool, watermark: float, windows, budget) -> None:
         self.windows = windows
+        # The step budget: the most tokens a step computes of one sequence (with several groups, how far
+        # past its computed tokens a windowed group's table covers); None: no limit, whole prompts.
+        self.budget = budget if len(windows) > 1 else None
         if len(windows) == 1:
             self.bm = BlockManager(BS, NUM_GPU_BLOCKS, NUM_CPU_BLOCKS, watermark, caching, sliding_window=windows[0])
         else:
-            self.bm = HybridBlockManager(BS, NUM_GPU_BLOCKS * 2, NUM_CPU_BLOCKS * 2, windows, watermark, caching)
+            self.bm = HybridBlockManager(BS, NUM_GPU_BLOCKS * 2, NUM_CPU_BLOCKS * 2, windows, watermark, caching,
+                                         max_num_batched_tokens=self.budget)
         self.groups: list[SequenceGroup] = []
         self.ids = itertools.count()
         self.mem = {Device.GPU: defaultdict(lambda: [None] * BS), Device.CPU: defaultdict(lambda: [None] * BS)}
@@ -72,24 +79,32 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return [b for g in range(len(self.windows)) for b in self.live(seq, g)]
         return self.table(seq, g)[self.freed(seq, g):]
 
-    def write_slots(self, seq: Sequence, stop: int) -> None:
-        """Each group's K/V of tokens num_computed..stop-1, into its own (unshared) blocks."""
-        values = kv_values(seq.get_token_ids())
+    def write_slots(self, seqs: list[Sequence], stop: int) -> None:
+        """Each group's K/V of tokens num_computed..stop-1 of ``seqs`` (one sequence, or several with the same
+        tokens computed together: a request's samples computing their prompt), into blocks no other table
+        holds: a block shared among ``seqs`` is written once for them all."""
+        values = kv_values(seqs[0].get_token_ids())
         for g in range(len(self.windows)):
-            table = self.table(seq, g)
-            for pos in range(seq.num_computed_tokens, stop):
-                block = table[pos // BS]
-                assert self.bm.gpu_allocator.get_ref_count(block) == 1, f"write into shared block {block}"
-                self.mem[Device.GPU][block][pos % BS] = (g, values[pos])
+            for pos in range(seqs[0].num_computed_tokens, stop):
+                blocks = [self.table(seq, g)[pos // BS] for seq in seqs]
+                for block in set(blocks):
+                    assert self.bm.gpu_allocator.get_ref_count(block) == blocks.count(block), \
+                        f"write into shared block {block}"
+                    self.mem[Device.GPU][block][pos % BS] = (g, values[pos])
+
+    def chunk_end(self, seq: Sequence, chunk: int) -> int:
+        """Where a step computing up to ``chunk`` tokens of ``seq`` stops, within the step budget."""
+        return min(seq.get_len(), seq.num_computed_tokens + min(chunk, self.budget or chunk))
 
     def with_status(self, status: SequenceStatus) -> list[SequenceGroup]:
         return [g for g in self.groups if g.seqs[0].status is status]
 
-    def write(self, seq: Sequence, stop: int) -> None:
-        """Compute tokens num_computed..stop-1 into the sequence's own (unshared) blocks."""
-        self.write_slots(seq, stop)
-        seq.num_computed_tokens = stop
-        self.bm.mark_blocks_computed(seq)
+    def write(self, seqs: list[Sequence], stop: int) -> None:
+        """Compute tokens num_computed..stop-1 of ``seqs`` (see ``write_slots``)."""
+        self.write_slots(seqs, stop)
+        for seq in seqs:
+            seq.num_computed_tokens = stop
+            self.bm.mark_blocks_computed(seq)
 
     def preempt(self, group: SequenceGroup) -> None:
         if self.bm.can_swap_out(group):
@@ -149,18 +164,8 @@ class BlockManagerMachine(RuleBasedStateMachine):
             for seq in group.seqs:
                 seq.status = SequenceStatus.RUNNING
             self.check_contents()  # prefix hits must hold this sequence's K/V
-            if len(group.seqs) == 1:
-                self.write(first, min(first.get_len(), first.num_computed_tokens + chunk))
-                return
-            values = kv_values(first.get_token_ids())
-            for g in range(len(self.windows)):
-                table = self.table(first, g)
-                for pos in range(first.num_computed_tokens, first.get_len()):
-                    assert self.bm.gpu_allocator.get_ref_count(table[pos // BS]) == len(group.seqs)
-                    self.mem[Device.GPU][table[pos // BS]][pos % BS] = (g, values[pos])
-            for seq in group.seqs:
-                seq.num_computed_tokens = seq.get_len()
-                self.bm.mark_blocks_computed(seq)
+            # The n sequences of a sampling request compute their shared prompt together.
+            self.write(group.seqs, self.chunk_end(first, chunk if len(group.seqs) == 1 else first.get_len()))
 
     @precondition(lambda self: self.with_status(SequenceStatus.RUNNING))
     @rule(pick=pick_st, chunk=st.integers(1, 8), data=st.data())
@@ -178,7 +183,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
             return
         for seq in group.seqs:
             self.grow(seq)
-            self.write(seq, min(seq.get_len(), seq.num_computed_tokens + chunk))
+        together = defaultdict(list)  # sequences with the same tokens computed so far compute them together
+        for seq in group.seqs:
+            together[tuple(seq.get_token_ids()), seq.num_computed_tokens].append(seq)
+        for seqs in together.values():
+            self.write(seqs, self.chunk_end(seqs[0], chunk))
 
     @precondition(lambda self: self.with_status(SequenceStatus.RUNNING))
     @rule(pick=pick_st, proposals=st.lists(st.integers(0, 2), min_size=1, max_size=5), data=st.data())
@@ -191,20 +200,20 @@ class BlockManagerMachine(RuleBasedStateMachine):
         seq = group.seqs[pick % len(group.seqs)]
         if seq.num_computed_tokens == seq.get_len():  # sampled after its last step: one token pending
             seq.append_token_id(data.draw(st.integers(0, 2)))
-        if seq.num_computed_tokens != seq.get_len() - 1:  # still prefilling
+        if seq.num_computed_tokens != seq.get_len() - 1 or not seq.get_output_len():  # still prefilling
             return
         if not self.bm.can_append_slots(group):  # the scheduler's slot for the pending token first
             return
         for s in group.seqs:
             self.grow(s)
         real_len = seq.get_len()
-        for t in proposals:
+        for t in proposals[:self.budget - 1 if self.budget else None]:  # the pending token and drafts: in budget
             seq.append_token_id(t)
         if not self.bm.can_append_slots(group):  # no room for the drafts: no speculation
             del seq.output_token_ids[real_len - seq.get_prompt_len():]
             return
         self.grow(seq)
-        self.write_slots(seq, seq.get_len())  # the step writes every query token
+        self.write_slots([seq], seq.get_len())  # the step writes every query token
         accepted = data.draw(st.integers(0, len(proposals)))
         del seq.output_token_ids[real_len + accepted - seq.get_prompt_len():]
         seq.num_computed_tokens = seq.get_len()
@@ -298,6 +307,9 @@ class BlockManagerMachine(RuleBasedStateMachine):
             for g, window in enumerate(self.windows):
                 table, freed = self.table(seq, g), self.freed(seq, g)
                 assert len(table) <= -(-seq.get_len() // BS)  # waste under one block
+                if self.budget and window is not None:  # a prompt's blocks chunk by chunk: none past the step's
+                    assert len(table) <= -(-min(seq.get_len(), seq.num_computed_tokens + self.budget) // BS)
+                    assert len(table) - freed <= -(-(window + self.budget) // BS) + 1  # the window's and a chunk's
                 if device is Device.GPU:
                     assert table[:freed] == [NULL_BLOCK] * freed
                 # Only blocks no token still to compute can see are freed.

@@ -74,6 +74,36 @@ def test_a_prefix_hit_needs_every_groups_blocks():
     bm.check_invariants()
 
 
+def test_windowed_groups_take_a_prompts_blocks_chunk_by_chunk():
+    """A 3-token window beside full attention, blocks of 2, a step budget of 4 tokens, 14 usable pages:
+    admission of a 20-token prompt takes the full group's 10 blocks and the windowed group's first
+    chunk's 2 (12, where the whole prompt's 20 never fit); each later chunk frees the blocks the window
+    has passed before taking the next, so the prompt and a decoded token run with no page free, and
+    the windowed group never holds more than its window's and a chunk's blocks: ceil((3 + 4) / 2) + 1."""
+    prompt = list(range(1, 21))
+    whole = HybridBlockManager(2, 15, 0, windows=(3, None))
+    assert whole.can_allocate(_request("r0", prompt)) is AllocStatus.NEVER
+    bm = HybridBlockManager(2, 15, 0, windows=(3, None), max_num_batched_tokens=4)
+    group = _request("r1", prompt)
+    assert bm.plan_allocation(group).num_blocks_taken == 12 and bm.can_allocate(group) is AllocStatus.OK
+    bm.allocate(group)
+    seq = group.seqs[0]
+    seq.status = SequenceStatus.RUNNING
+    held, free = [], []
+    for step in range(6):  # five chunks of the prompt, then one decoded token
+        if step == 5:
+            seq.append_token_id(7)
+        assert bm.can_append_slots(group)  # the blocks the window frees count: net, it needs none
+        bm.append_slots(seq)
+        bm.check_invariants()
+        held.append(len(bm.get_block_table(seq, 0)) - bm.get_num_freed_blocks(seq, 0))
+        free.append(bm.get_num_free_gpu_blocks())
+        seq.num_computed_tokens = min(seq.get_len(), seq.num_computed_tokens + 4)
+    assert free[1:] == [0] * 5 and max(held) <= 5
+    tables = bm.get_block_table(seq)
+    assert [len(t) for t in tables.per_group] == [11, 11] and NULL_BLOCK not in tables.per_group[1]
+
+
 @pytest.fixture(scope="module")
 def gemma3(hf_model_dir):
     from tests.hf_models import load_hf
@@ -83,9 +113,11 @@ def gemma3(hf_model_dir):
 
 
 def test_gemma3_frees_windowed_blocks_and_keeps_transformers_tokens(gemma3):
-    """A 30-token prompt and 12 new tokens over 4-token blocks: the five windowed layers (window 6)
-    hold at most 3 blocks each once decoding, the global layer all 11; every token equals
-    transformers' greedy ``generate``."""
+    """A 30-token prompt in 8-token chunks and 12 new tokens over 4-token blocks: admission takes the
+    global layer's 8 blocks and each windowed layer's (window 6) first chunk's 2; while the prompt is
+    computed a windowed layer holds at most its window's and a chunk's blocks, ceil((6 + 8) / 4) + 1,
+    and at most 3 once decoding, the global layer all 11; every token equals transformers' greedy
+    ``generate``."""
     import torch
 
     from paged_jax import SamplingParams
@@ -94,7 +126,8 @@ def test_gemma3_frees_windowed_blocks_and_keeps_transformers_tokens(gemma3):
 
     path, hf = gemma3
     prompt = np.random.default_rng(3).integers(3, hf.config.vocab_size, size=30).tolist()
-    engine = LLMEngine(EngineArgs(model=str(path), block_size=4, max_model_len=64, max_num_seqs=2))
+    engine = LLMEngine(EngineArgs(model=str(path), block_size=4, max_model_len=64, max_num_seqs=2,
+                                  max_num_batched_tokens=8))
     bm = engine.block_manager
     assert isinstance(bm, HybridBlockManager) and bm.windows == (6,) * 5 + (None,)
     engine.add_request("a", None, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
@@ -106,6 +139,8 @@ def test_gemma3_frees_windowed_blocks_and_keeps_transformers_tokens(gemma3):
         bm.check_invariants()
         if bm.has_seq(seq):
             held.append((bm.get_group_usage(), len(bm.get_block_table(seq, 5))))
+    assert held[0] == ([2] * 5 + [8], 8)  # the first chunk's blocks in the windowed groups, the prompt's in the global
+    assert all(max(usage[:5]) <= 5 for usage, _ in held)
     usage, num_blocks = held[-1]
     assert num_blocks >= 10 and usage[5] == num_blocks  # the global layer keeps every block
     assert all(n <= 3 for n in usage[:5])  # a window of 6 spans at most 3 blocks of 4

@@ -32,8 +32,13 @@ hold (``seq.get_len()`` at the last ``allocate`` / ``append_slot``). Invariants
   masks those positions). Freed entries are only leading ones, of blocks whose every token
   is ``sliding_window`` behind the newest: a decoding sequence holds at most
   ``ceil(sliding_window / block_size) + 1`` blocks.
+- With ``max_num_batched_tokens`` set (the hybrid manager's windowed groups), a table covers the
+  sequence's tokens only up to that many past its computed ones (``tokens_to_hold``): a long prompt
+  takes its blocks chunk by chunk, and, as the window frees the blocks behind, never holds more than
+  the window's and a chunk's.
 
-Prefix sharing (automatic prefix caching, pinned prefixes): :mod:`~paged_jax.memory.prefix_sharing`.
+Prefix sharing (automatic prefix caching, pinned prefixes): :mod:`~paged_jax.memory.prefix_sharing`;
+swapping: :mod:`~paged_jax.memory.swapping`.
 """
 
 from __future__ import annotations
@@ -44,15 +49,16 @@ from typing import Optional
 from paged_jax.memory.block_allocator import NULL_BLOCK, BlockAllocator, Device
 from paged_jax.memory.block_pool import BlockPool, KVCacheUsage
 from paged_jax.memory.block_table import (AllocationPlan, AllocStatus, BlockTable, blocks_for, num_growth_blocks,
-                                          plan_allocation, plan_growth)
+                                          plan_allocation, plan_growth, tokens_to_hold)
 from paged_jax.memory.prefix_cache import PrefixCache
 from paged_jax.memory.prefix_sharing import PrefixSharing
+from paged_jax.memory.swapping import Swapping
 from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
 
 __all__ = ["AllocStatus", "BlockManager", "BlockTable", "KVCacheUsage"]
 
 
-class BlockManager(PrefixSharing):
+class BlockManager(PrefixSharing, Swapping):
     """Block tables, reference counts, copy-on-write, swap plans and prefix sharing.
 
     ``num_gpu_blocks`` is the number of physical device blocks (the first
@@ -60,12 +66,13 @@ class BlockManager(PrefixSharing):
     use ``num_gpu_blocks - 1``. The host pool has ``num_cpu_blocks`` blocks and
     no null block. ``watermark`` (a fraction of the device pool) is kept free at
     admission (``can_allocate``, ``can_swap_in``) to spare running sequences
-    from preemption as they grow.
+    from preemption as they grow. ``max_num_batched_tokens``: the most tokens a step computes of
+    one sequence (the scheduler's budget); set, a table grows chunk by chunk (module docstring).
     """
 
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, watermark: float = 0.01,
                  enable_prefix_caching: bool = False, enable_block_sharing: bool = True,
-                 sliding_window: Optional[int] = None) -> None:
+                 sliding_window: Optional[int] = None, max_num_batched_tokens: Optional[int] = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be positive, got {block_size}")
         if not 0.0 <= watermark < 1.0:
@@ -74,6 +81,10 @@ class BlockManager(PrefixSharing):
             raise ValueError("enable_prefix_caching=True needs enable_block_sharing=True")
         if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
             raise ValueError(f"sliding_window must be None or a positive integer, got {sliding_window!r}")
+        if max_num_batched_tokens is not None and (not isinstance(max_num_batched_tokens, int)
+                                                   or max_num_batched_tokens < 1):
+            raise ValueError(f"max_num_batched_tokens must be None or a positive integer, "
+                             f"got {max_num_batched_tokens!r}")
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         # False: a baseline that copies instead of sharing (fork copies every block; a request's
@@ -81,6 +92,7 @@ class BlockManager(PrefixSharing):
         self.enable_block_sharing = enable_block_sharing
         # Set only when every layer (of the model, or of the layer group) attends through this window.
         self.sliding_window = sliding_window
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.gpu_allocator = BlockAllocator(Device.GPU, num_gpu_blocks, reserve_null_block=True)
         self.cpu_allocator = BlockAllocator(Device.CPU, num_cpu_blocks)
         # Pinned prefixes are registered in the cache even when automatic caching is off.
@@ -100,7 +112,7 @@ class BlockManager(PrefixSharing):
         lookup in place of this manager's own (the hybrid manager's: a hit in every layer group)."""
         match = (match_prefix or self._match_prefix) if use_prefix_cache else None
         return plan_allocation(_waiting_seqs(seq_group), self.block_size, reserve_tokens, self.enable_block_sharing,
-                               match, self.gpu_allocator.get_ref_count)
+                               match, self.gpu_allocator.get_ref_count, self.max_num_batched_tokens)
 
     def can_allocate(self, seq_group: SequenceGroup, reserve_tokens: int = 0,
                      use_prefix_cache: bool = True) -> AllocStatus:
@@ -150,7 +162,7 @@ class BlockManager(PrefixSharing):
             for block in shared:
                 self.gpu_pool.incref(block)
             blocks = shared + [self.gpu_pool.new_block() for _ in range(num_fresh)]
-            table = BlockTable(Device.GPU, blocks, p.seq.get_len(), list(hashes), plan.min_blocks)
+            table = BlockTable(Device.GPU, blocks, p.num_tokens, list(hashes), plan.min_blocks)
             self._tables[p.seq.seq_id] = table
             p.seq.num_computed_tokens = p.num_computed_tokens
             tables.append(table)
@@ -164,15 +176,16 @@ class BlockManager(PrefixSharing):
         return need <= self.get_num_free_gpu_blocks()
 
     def append_slot(self, seq: Sequence) -> Optional[tuple[int, int]]:
-        """Make the table cover ``seq.get_len()`` tokens. If the partly filled last
+        """Make the table cover ``seq.get_len()`` tokens (with ``max_num_batched_tokens``, those of
+        the next chunk: ``_tokens_to_hold``). If the partly filled last
         block that receives new tokens is shared, it is copied first: the sequence
         gets a fresh block, the old one loses a reference, and ``(src, dst)`` is
         returned for the device copy. Otherwise returns None."""
         table = self._table(seq, Device.GPU)
-        num_tokens = seq.get_len()
-        if num_tokens < table.num_tokens:
-            raise ValueError(f"sequence {seq.seq_id} has {num_tokens} tokens, fewer than the "
+        if seq.get_len() < table.num_tokens:
+            raise ValueError(f"sequence {seq.seq_id} has {seq.get_len()} tokens, fewer than the "
                              f"{table.num_tokens} its blocks hold")
+        num_tokens = self._tokens_to_hold(seq, table)
         self._free_outside_window(seq, table)
         growth = plan_growth(table, num_tokens, self.block_size, self.gpu_allocator.get_ref_count)
         self.gpu_pool.ensure_free(growth.num_new + growth.copy_last, "append_slot")
@@ -247,26 +260,6 @@ class BlockManager(PrefixSharing):
         if table is not None:
             for block in reversed(table.live_blocks):
                 self._pools[table.device].release(block)
-
-    # ---- swapping ------------------------------------------------------------------
-    def can_swap_out(self, seq_group: SequenceGroup) -> bool:
-        seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
-        return len(self._distinct_blocks(seqs)) <= self.cpu_allocator.num_free_blocks
-
-    def swap_out(self, seq_group: SequenceGroup) -> dict[int, int]:
-        """Move the RUNNING sequences' blocks to the host: returns {gpu block: cpu block}."""
-        return self._move(seq_group.get_seqs(SequenceStatus.RUNNING), Device.GPU, Device.CPU)
-
-    def can_swap_in(self, seq_group: SequenceGroup) -> bool:
-        """Whether the SWAPPED sequences' blocks, plus the blocks ``append_slot`` will
-        then need to cover ``get_len()``, fit with the watermark to spare."""
-        seqs = seq_group.get_seqs(SequenceStatus.SWAPPED)
-        need = len(self._distinct_blocks(seqs)) + self._num_growth_blocks(seqs, Device.CPU)
-        return self.get_num_free_gpu_blocks() - need >= self.watermark_blocks
-
-    def swap_in(self, seq_group: SequenceGroup) -> dict[int, int]:
-        """Move the SWAPPED sequences' blocks to the device: returns {cpu block: gpu block}."""
-        return self._move(seq_group.get_seqs(SequenceStatus.SWAPPED), Device.CPU, Device.GPU)
 
     # ---- queries -----------------------------------------------------------------------
     def has_seq(self, seq: Sequence) -> bool:
@@ -348,44 +341,36 @@ class BlockManager(PrefixSharing):
                              f"not the {device.value} pool")
         return table
 
+    def _tokens_to_hold(self, seq: Sequence, table: BlockTable) -> int:
+        """The tokens ``append_slot`` makes the table cover (never fewer than it does)."""
+        horizon = None if table.min_blocks else self.max_num_batched_tokens
+        return max(table.num_tokens, tokens_to_hold(seq.get_len(), seq.num_computed_tokens, horizon))
+
     def _num_growth_blocks(self, seqs: list[Sequence], device: Device) -> int:
-        """Fresh blocks ``append_slot`` needs to grow every sequence's table to ``get_len()`` tokens."""
-        return num_growth_blocks([(self._table(seq, device), seq.get_len()) for seq in seqs], self.block_size,
-                                 self._pools[device].allocator.get_ref_count)
+        """Fresh blocks ``append_slot`` needs to grow every sequence's table (``_tokens_to_hold``)."""
+        tables = [(t, self._tokens_to_hold(seq, t)) for seq in seqs for t in [self._table(seq, device)]]
+        return num_growth_blocks(tables, self.block_size, self._pools[device].allocator.get_ref_count)
 
-    def _distinct_blocks(self, seqs: list[Sequence]) -> set[int]:
-        return {b for seq in seqs for b in self._table(seq).live_blocks}
-
-    def _free_outside_window(self, seq: Sequence, table: BlockTable) -> None:
-        """Free the leading blocks no token still to compute can see: the earliest such token sits
-        at position ``num_computed_tokens`` and sees keys from ``num_computed_tokens - window + 1`` on."""
+    def _outside_window(self, seq: Sequence, table: BlockTable) -> range:
+        """The live leading entries no token still to compute can see (the earliest such token sits at
+        position ``num_computed_tokens`` and sees keys from ``num_computed_tokens - window + 1`` on)."""
         if self.sliding_window is None or table.min_blocks:
-            return
+            return range(0)
         first_query = min(seq.num_computed_tokens, table.num_tokens - 1)
         num_outside = max(0, first_query - self.sliding_window + 1) // self.block_size
-        for i in range(table.num_freed, min(num_outside, len(table.blocks) - 1)):
+        return range(table.num_freed, min(num_outside, len(table.blocks) - 1))
+
+    def _free_outside_window(self, seq: Sequence, table: BlockTable) -> None:
+        for i in self._outside_window(seq, table):
             self.gpu_pool.release(table.blocks[i])
             table.blocks[i] = NULL_BLOCK
             table.num_freed = i + 1
 
-    def _move(self, seqs: list[Sequence], src: Device, dst: Device) -> dict[int, int]:
-        """Move the sequences' tables from pool ``src`` to ``dst``. A block shared by
-        several of them becomes one block holding as many references: sharing and
-        reference counts survive the round trip. Returns {src block: dst block}."""
-        tables = [self._table(seq, src) for seq in seqs]
-        self._pools[dst].ensure_free(len(self._distinct_blocks(seqs)), f"swap to {dst.value}")
-        mapping: dict[int, int] = {}
-        for table in tables:
-            for block in table.live_blocks:
-                if block in mapping:
-                    self._pools[dst].incref(mapping[block])
-                else:
-                    mapping[block] = self._pools[dst].new_block()
-                self._pools[src].release(block)
-            table.blocks = [NULL_BLOCK] * table.num_freed + [mapping[b] for b in table.live_blocks]
-            table.device = dst
-            table.block_hashes.clear()  # new blocks: mark_blocks_computed hashes and registers them anew
-        return mapping
+    def _num_freed_by_window(self, seq: Sequence) -> int:
+        """Blocks ``_free_outside_window`` would free now: those of the table alone (a block shared
+        with a sibling or a pin only loses a reference)."""
+        table = self._table(seq, Device.GPU)
+        return sum(self.gpu_allocator.get_ref_count(table.blocks[i]) == 1 for i in self._outside_window(seq, table))
 
 
 def _waiting_seqs(seq_group: SequenceGroup) -> list[Sequence]:

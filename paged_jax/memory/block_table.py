@@ -75,6 +75,7 @@ class SeqAllocation:
     num_common: int  # how many: blocks cached..num_common - 1 are the sibling's
     num_blocks: int  # blocks of the table: the rest are fresh
     num_computed_tokens: int  # tokens whose K/V the table holds already (the cached blocks')
+    num_tokens: int  # tokens the table covers: all the sequence's, or its first chunk's (``horizon``)
 
 
 @dataclass(frozen=True)
@@ -86,10 +87,13 @@ class AllocationPlan:
 
 
 def plan_allocation(seqs: list[Sequence], block_size: int, reserve_tokens: int, share: bool,
-                    match_prefix: Optional[PrefixMatch], ref_count: RefCount) -> AllocationPlan:
+                    match_prefix: Optional[PrefixMatch], ref_count: RefCount,
+                    horizon: Optional[int] = None) -> AllocationPlan:
     """Plan ``BlockManager.allocate`` of ``seqs``: identical sequences share a table;
     diverged ones share the leading full blocks they have in common (``share``);
-    leading blocks found by ``match_prefix`` (None: no lookup) are reused."""
+    leading blocks found by ``match_prefix`` (None: no lookup) are reused. ``horizon``: a
+    table covers at most that many tokens past the cached ones (a prompt's first chunk; see
+    ``tokens_to_hold``), not the whole sequence; a reservation ignores it."""
     min_blocks = blocks_for(reserve_tokens, block_size)
     plans: list[SeqAllocation] = []
     tokens_of: list[list[int]] = []
@@ -99,13 +103,17 @@ def plan_allocation(seqs: list[Sequence], block_size: int, reserve_tokens: int, 
         tokens = seq.get_token_ids()
         same = next((i for i, t in enumerate(tokens_of) if t == tokens), None) if share else None
         if same is not None:
-            plans.append(SeqAllocation(seq, same, [], [], None, 0, 0, plans[same].num_computed_tokens))
+            plans.append(SeqAllocation(seq, same, [], [], None, 0, 0, plans[same].num_computed_tokens,
+                                       plans[same].num_tokens))
             tokens_of.append(tokens)
             continue
         cached, hashes = match_prefix(tokens) if match_prefix is not None else ([], [])
-        sibling, num_common = max(((i, common_full_blocks(tokens, t, block_size)) for i, t in enumerate(tokens_of)
-                                   if share), key=lambda x: x[1], default=(None, 0))
-        num_blocks = max(blocks_for(len(tokens), block_size), min_blocks)
+        num_tokens = tokens_to_hold(len(tokens), len(cached) * block_size, None if min_blocks else horizon)
+        num_blocks = max(blocks_for(num_tokens, block_size), min_blocks)
+        # A sibling's table may cover fewer tokens than it has (a horizon): share only its full blocks.
+        sibling, num_common = max(((i, min(common_full_blocks(tokens, t, block_size),
+                                           plans[i].num_tokens // block_size, num_blocks))
+                                   for i, t in enumerate(tokens_of) if share), key=lambda x: x[1], default=(None, 0))
         # Fresh blocks past the common and cached ones, plus cached blocks revived from the
         # evictable pool (they count as free), each once even when several siblings map it.
         new_revived = {b for b in cached if ref_count(b) == 0} - revived
@@ -113,9 +121,17 @@ def plan_allocation(seqs: list[Sequence], block_size: int, reserve_tokens: int, 
         taken += num_blocks - max(num_common, len(cached)) + len(new_revived)
         uncached += num_blocks - num_common
         plans.append(SeqAllocation(seq, None, cached, hashes, sibling, num_common, num_blocks,
-                                   len(cached) * block_size))
+                                   len(cached) * block_size, num_tokens))
         tokens_of.append(tokens)
     return AllocationPlan(plans, min_blocks, taken, uncached)
+
+
+def tokens_to_hold(num_tokens: int, num_computed: int, horizon: Optional[int]) -> int:
+    """The tokens a table of a sequence of ``num_tokens`` tokens, ``num_computed`` of them computed,
+    covers: all of them, or with a ``horizon`` (the most tokens a step computes of one sequence) those
+    up to ``horizon`` past the computed ones: a windowed layer group takes a prompt's blocks chunk by
+    chunk, as the window frees those behind it."""
+    return num_tokens if horizon is None else min(num_tokens, num_computed + horizon)
 
 
 # ---- growth ------------------------------------------------------------------------------

@@ -10,9 +10,17 @@ share a block: a copy or a swap moves pages by id and is right for whichever gro
 Prefix caching keys each group's blocks under a hash chain of its own, and a prefix hit needs
 every group's blocks: admission reuses the leading blocks that all groups have cached.
 
+Given the scheduler's ``max_num_batched_tokens``, the windowed groups take a prompt's blocks chunk
+by chunk (``block_manager``): admission takes the full-attention groups' blocks for the whole prompt
+and the windowed groups' for its first chunk, and each later chunk's growth frees the blocks its
+window has passed before it takes new ones (counted net by ``can_append_slots``), so a windowed
+group never holds more than its window's blocks and a chunk's.
+
 Invariants (``check_invariants``), beside each group's own (``block_manager``):
 
-- A sequence has a table in every group or in none, all of one length in tokens, in one pool.
+- A sequence has a table in every group or in none, all in one pool; the full-attention groups'
+  tables cover the sequence's tokens, a windowed group's at most as many (while a prompt is computed,
+  only up to the current chunk).
 - No block is held by two groups; a block's reference count is the number of tables of all
   groups, plus pins, holding it; free + used + evictable-cached = total in the shared pools.
 """
@@ -25,7 +33,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Optional
 
-from paged_jax.memory.block_allocator import Device, NoFreeBlocksError
+from paged_jax.memory.block_allocator import NULL_BLOCK, Device, NoFreeBlocksError
 from paged_jax.memory.block_manager import AllocStatus, BlockManager
 from paged_jax.memory.block_pool import KVCacheUsage
 from paged_jax.memory.block_table import blocks_for, plan_growth
@@ -34,12 +42,14 @@ from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
 
 
 class GroupBlockTables(list):
-    """A sequence's block tables, one per layer group: as a list, group 0's blocks (what a reader of
-    one table sees: every group's table has as many entries); ``per_group``: each group's."""
+    """A sequence's block tables, one per layer group, each padded with the null block to the longest
+    (a windowed group's covers only the current chunk of a prompt): as a list, group 0's blocks (what a
+    reader of one table sees: every group's table has as many entries); ``per_group``: each group's."""
 
     def __init__(self, per_group: list[list[int]]) -> None:
-        super().__init__(per_group[0])
-        self.per_group = per_group
+        n = max(map(len, per_group))
+        self.per_group = [t + [NULL_BLOCK] * (n - len(t)) for t in per_group]
+        super().__init__(self.per_group[0])
 
 
 @dataclass(frozen=True)
@@ -50,22 +60,27 @@ class HybridAllocationPlan:
 
 
 class HybridBlockManager:
-    """``windows``: each group's sliding window (None: full attention), as ``KVLayout.windows``."""
+    """``windows``: each group's sliding window (None: full attention), as ``KVLayout.windows``.
+    ``max_num_batched_tokens``: the scheduler's budget, the most tokens a step computes of one
+    sequence; given, the windowed groups take a prompt's blocks chunk by chunk (None: all at admission)."""
 
     def __init__(self, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, windows: Seq[Optional[int]],
                  watermark: float = 0.01, enable_prefix_caching: bool = False,
-                 enable_block_sharing: bool = True) -> None:
+                 enable_block_sharing: bool = True, max_num_batched_tokens: Optional[int] = None) -> None:
         if len(windows) < 2:
             raise ValueError(f"a hybrid block manager needs at least two layer groups, got windows {list(windows)}")
         first = BlockManager(block_size, num_gpu_blocks, num_cpu_blocks, watermark, enable_prefix_caching,
-                             enable_block_sharing, sliding_window=windows[0])
+                             enable_block_sharing, sliding_window=windows[0], max_num_batched_tokens=(
+                                 None if windows[0] is None else max_num_batched_tokens))
         self.groups = [first]
         for g, window in enumerate(windows[1:], 1):
             if window is not None and (not isinstance(window, int) or window < 1):
                 raise ValueError(f"sliding_window must be None or a positive integer, got {window!r}")
             group = copy.copy(first)  # shares the pools and the prefix cache
             group._tables, group.sliding_window, group._hash_root = {}, window, b"layer group %d" % g
+            group.max_num_batched_tokens = None if window is None else max_num_batched_tokens  # full: whole prompt
             self.groups.append(group)
+        self.max_num_batched_tokens = max_num_batched_tokens
         self.windows = tuple(windows)
         self.block_size, self.watermark_blocks = block_size, first.watermark_blocks
         self.enable_prefix_caching, self.enable_block_sharing = enable_prefix_caching, enable_block_sharing
@@ -117,20 +132,31 @@ class HybridBlockManager:
 
     # ---- growth -------------------------------------------------------------------------
     def can_append_slots(self, seq_group: SequenceGroup) -> bool:
+        """Whether ``append_slots`` covers every RUNNING sequence: of one sequence, counting the blocks
+        its windows free first (a prompt's next chunk takes about as many as the window frees); of
+        several, not (one's block shared with a sibling is only freed by the last to release it)."""
         seqs = seq_group.get_seqs(SequenceStatus.RUNNING)
-        return sum(g._num_growth_blocks(seqs, Device.GPU) for g in self.groups) <= self.get_num_free_gpu_blocks()
+        need = sum(g._num_growth_blocks(seqs, Device.GPU) for g in self.groups)
+        if len(seqs) == 1:
+            need -= sum(g._num_freed_by_window(seqs[0]) for g in self.groups)
+        return need <= self.get_num_free_gpu_blocks()
 
     def append_slots(self, seq: Sequence) -> list[tuple[int, int]]:
-        """Every group's ``append_slot``: the copy-on-write copies, one per group at most."""
+        """Every group's ``append_slot``: the copy-on-write copies, one per group at most. Every
+        group frees the blocks its window has passed first (always allowed), then the growth is
+        checked against the pool before any group grows."""
+        for g in self.groups:
+            g._free_outside_window(seq, g._table(seq, Device.GPU))
         need = sum(g._num_growth_blocks([seq], Device.GPU) for g in self.groups)
-        self.gpu_pool.ensure_free(need, "append_slot")  # before any group changes
+        self.gpu_pool.ensure_free(need, "append_slot")
         return [c for g in self.groups for c in g.append_slots(seq)]
 
     def append_slot(self, seq: Sequence) -> Optional[tuple[int, int]]:
         """``append_slots`` for a caller expecting one copy at most (a table already grown this step
         copies nothing); ValueError, before any change, if several groups would copy."""
-        copies = sum(plan_growth(g._table(seq, Device.GPU), seq.get_len(), self.block_size,
-                                 self.gpu_allocator.get_ref_count).copy_last for g in self.groups)
+        tables = [(g, g._table(seq, Device.GPU)) for g in self.groups]
+        copies = sum(plan_growth(t, g._tokens_to_hold(seq, t), self.block_size, self.gpu_allocator.get_ref_count)
+                     .copy_last for g, t in tables)
         if copies > 1:
             raise ValueError(f"sequence {seq.seq_id}: {copies} layer groups copy their last block; use append_slots")
         copies = self.append_slots(seq)
@@ -216,11 +242,16 @@ class HybridBlockManager:
         return self.groups[0].get_num_free_cpu_blocks()
 
     def num_blocks_needed(self, prompt_len: int, total_len: int) -> int:
-        """Device blocks one sequence needs at most: every group's for the whole prompt at admission, or
-        at ``total_len`` tokens the full-attention groups' all and the windowed groups' window."""
-        end = sum(blocks_for(total_len, self.block_size) if w is None else
-                  min(blocks_for(total_len, self.block_size), -(-w // self.block_size) + 1) for w in self.windows)
-        return max(self.num_groups * blocks_for(prompt_len, self.block_size), end)
+        """Device blocks one sequence needs at most: while its prompt is computed, the full-attention
+        groups' for the whole prompt and the windowed groups' for their window and a chunk (without
+        ``max_num_batched_tokens``: the whole prompt); at ``total_len`` tokens, the full-attention
+        groups' all and the windowed groups' window."""
+        bs, h = self.block_size, self.max_num_batched_tokens
+        prompt = blocks_for(prompt_len, bs)
+        start = sum(prompt if w is None or h is None else min(prompt, blocks_for(w + h, bs) + 1) for w in self.windows)
+        end = sum(blocks_for(total_len, bs) if w is None else min(blocks_for(total_len, bs), -(-w // bs) + 1)
+                  for w in self.windows)
+        return max(start, end)
 
     def get_usage(self) -> KVCacheUsage:
         """The shared device pool's usage: a token held in several groups' blocks counts in each."""
@@ -247,8 +278,12 @@ class HybridBlockManager:
         for g, group in enumerate(self.groups):
             _require(group._tables.keys() == first.keys(), f"layer group {g} has tables for other sequences")
             for seq_id, table in group._tables.items():
-                _require((table.num_tokens, table.device) == (first[seq_id].num_tokens, first[seq_id].device),
-                         f"sequence {seq_id}: group {g}'s table differs from group 0's in tokens or pool")
+                most = max(other._tables[seq_id].num_tokens for other in self.groups)
+                _require(table.device is first[seq_id].device, f"sequence {seq_id}: group {g}'s table is in "
+                                                                f"another pool than group 0's")
+                _require(table.num_tokens == most or (group.max_num_batched_tokens and table.num_tokens < most),
+                         f"sequence {seq_id}: group {g}'s table covers {table.num_tokens} tokens, another group's "
+                         f"{most}; only a windowed group's may cover fewer (a prompt's chunk)")
                 for block in table.live_blocks:
                     _require(owner.setdefault((table.device, block), g) == g,
                              f"{table.device.value} block {block} is held by layer groups {owner[table.device, block]} "
@@ -261,12 +296,16 @@ class HybridBlockManager:
         return {b for g in self.groups for b in g._distinct_blocks(seqs)}
 
 
-def make_block_manager(layout: KVLayout, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int, **kwargs):
+def make_block_manager(layout: KVLayout, block_size: int, num_gpu_blocks: int, num_cpu_blocks: int,
+                       max_num_batched_tokens: Optional[int] = None, **kwargs):
     """The block manager for ``layout``: one group's :class:`BlockManager` (freeing by its window), or a
-    :class:`HybridBlockManager` of several. ``kwargs``: watermark, enable_prefix_caching, enable_block_sharing."""
+    :class:`HybridBlockManager` of several, its windowed groups taking a prompt's blocks chunk by chunk of
+    ``max_num_batched_tokens`` (the scheduler's). ``kwargs``: watermark, enable_prefix_caching,
+    enable_block_sharing."""
     if layout.num_groups == 1:
         return BlockManager(block_size, num_gpu_blocks, num_cpu_blocks, sliding_window=layout.windows[0], **kwargs)
-    return HybridBlockManager(block_size, num_gpu_blocks, num_cpu_blocks, layout.windows, **kwargs)
+    return HybridBlockManager(block_size, num_gpu_blocks, num_cpu_blocks, layout.windows,
+                              max_num_batched_tokens=max_num_batched_tokens, **kwargs)
 
 
 def _require(condition: bool, message: str) -> None:
