@@ -110,17 +110,17 @@ def test_outputs_equal_the_same_engine_with_speculation_set_aside():
 
 def test_pallas_scores_a_rows_drafts_as_one_query_tile():
     """The Pallas kernels (interpret mode on the CPU) score a row's pending token and its drafts as one
-    query tile of the prefill kernel, causal within the tile: plain decoding's greedy tokens, from the
-    same engine with its SpecDecoder set aside, with drafts both accepted and rejected."""
+    query tile of the prefill kernel, causal within the tile: plain decoding's greedy tokens and their
+    logprobs, from the same engine with its SpecDecoder set aside, with drafts both accepted and rejected."""
     llm = LLM(attention_backend="pallas-interpret", num_kv_blocks=8, max_model_len=64, speculative_config=SPEC)
     engine = llm.llm_engine
     assert not engine.runner.drafts_as_rows  # the backend declares verifies_in_tiles
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=1)
     decoder, engine.spec_decoder = engine.spec_decoder, None
-    expected = llm.generate(PROMPTS[3], params, use_tqdm=False)[0].outputs[0].token_ids
+    expected = llm.generate(PROMPTS[3], params, use_tqdm=False)
     engine.spec_decoder = decoder
-    got = llm.generate(PROMPTS[3], params, use_tqdm=False)[0].outputs[0].token_ids
-    assert got == expected
+    got = llm.generate(PROMPTS[3], params, use_tqdm=False)
+    _check_same(expected, got)  # tokens, and their logprobs within 1e-4
     sd = engine.get_stats()["spec_decode"]
     assert 0 < sd["num_accepted_tokens"] < sd["num_draft_tokens"], sd
     # The drafted steps ran as query tiles (a shape with tiles, every token's logits), not decode rows.
