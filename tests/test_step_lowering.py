@@ -45,10 +45,15 @@ def abstract(tree):
 
 def lower_step(config, params, kv_caches, kind: str) -> str:
     """The runner's step for ``config`` with the "pallas" backend, lowered for CUDA at a ``kind`` shape."""
+    return lower_shape(config, params, kv_caches, SHAPES[kind], kind == "prefill").as_text()
+
+
+def lower_shape(config, params, kv_caches, shape_key, all_logits: bool):
+    """The runner's step with the "pallas" backend, lowered for CUDA at ``shape_key`` (a Lowered)."""
     step = jax.jit(make_step(config, get_backend("pallas")), static_argnums=(3,), donate_argnums=(1,))
     with cuda_target():  # JAX >= 0.11 lowers Triton kernels only for a GPU it knows (an abstract one here)
-        return step.trace(abstract(params), kv_caches, Batch.abstract(SHAPES[kind]), kind == "prefill").lower(
-            lowering_platforms=("cuda",)).as_text()
+        return step.trace(abstract(params), kv_caches, Batch.abstract(shape_key), all_logits).lower(
+            lowering_platforms=("cuda",))
 
 
 @pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
@@ -75,3 +80,37 @@ def test_step_lowers_for_cuda_with_the_pallas_backend(family, dtype, tiny_dirs):
         for kernel in kernels:
             assert len(re.findall(rf"call @{kernel}(_\d+)?\(", text)) == config.num_layers, (family, kind, kernel)
         assert "__gpu$xla.gpu.triton" in text and "paged_jax_paged_attention" not in text, (family, kind)
+
+
+def test_speculative_verification_step_lowers_for_cuda_as_query_tiles(tiny_dirs):
+    """Speculative decoding's verification step on "pallas": the backend declares ``verifies_in_tiles``,
+    so a row's pending token and its drafts are one query tile of the prefill kernel (the runner's
+    chunks, ``verification_chunks``), and the step returns every token's logits; lowered for CUDA."""
+    from paged_jax.executor.batch import prepare_batch
+    from paged_jax.executor.draft_rows import drafts_as_rows, verification_chunks
+    from paged_jax.executor.interface import RowSampling
+    from paged_jax.models.loader import load_model
+    from paged_jax.sampling_params import SamplingParams
+    from paged_jax.scheduler import ScheduledSeq, SchedulerOutput
+    from paged_jax.sequence import Sequence
+
+    config, params = load_model(tiny_dirs("llama"), dtype="bfloat16")
+    # Two decoding rows, with 4 drafts and with none: each has computed all but its pending token (and drafts).
+    rows, sampling = [], []
+    for seq_id, (prompt, output, drafts) in enumerate([(list(range(3, 23)), [7, 8, 9, 10, 11], 4), ([5] * 9, [6], 0)]):
+        seq = Sequence(seq_id, prompt, output, num_computed_tokens=len(prompt) + len(output) - drafts - 1)
+        rows.append(ScheduledSeq(seq, None, drafts + 1, list(range(1 + 2 * seq_id, 3 + 2 * seq_id))))
+        sampling.append(RowSampling(SamplingParams(temperature=0), (None,), num_speculative_tokens=drafts))
+    as_rows = drafts_as_rows(get_backend("pallas"))
+    chunks, owners = verification_chunks(SchedulerOutput(scheduled=rows), sampling, as_rows)
+    assert [len(c.token_ids) for c in chunks] == [5, 1] and owners == [(0, 0), (1, None)]
+    shape = prepare_batch(chunks, BLOCK_SIZE).shape_key
+    assert shape[3] > 0  # query tiles
+    cache = jax.ShapeDtypeStruct((24, BLOCK_SIZE, config.num_kv_heads, config.head_dim), jnp.bfloat16)
+    lowered = lower_shape(config, params, [(cache, cache)] * config.num_layers, shape, not as_rows)
+    text = lowered.as_text()
+    for kernel in ("paged_decode_attention", "paged_prefill_attention"):
+        assert len(re.findall(rf"call @{kernel}(_\d+)?\(", text)) == config.num_layers, kernel
+    assert "__gpu$xla.gpu.triton" in text and "paged_jax_paged_attention" not in text
+    logits = lowered.out_info[0].logits
+    assert logits.shape == (shape[0], config.vocab_size)  # every token's: the row's k + 1 positions are scored
