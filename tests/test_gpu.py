@@ -33,7 +33,9 @@ Engine: the bundled default model (a trained LLaMA: GQA with 8 query heads on 4 
 size 32), greedy, with ``attention_backend="pallas"`` against ``"reference"``, every run at
 ``highest`` matmul precision. float32: every token equal (the two differ by float32 rounding
 only). bfloat16: every request's first token equal to the reference's in bfloat16 (later tokens
-may part at a near-tie: 16-bit rounding, not a kernel error).
+may part at a near-tie: 16-bit rounding, not a kernel error). With n-gram speculative decoding
+(float32), a row's pending token and drafts are one query tile of the prefill kernel: every token
+equal to the reference's plain decoding, with drafts accepted.
 """
 
 from __future__ import annotations
@@ -201,27 +203,37 @@ PROMPTS = ["def __init__(self, ", "class ParseError(Exception):\n    \"\"\"", "f
 MAX_TOKENS = 16
 
 
+# n-gram drafts at every batch size, from suffixes of 1 to 3 tokens: most steps draft.
+SPECULATIVE = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+               "disable_by_batch_size": None}
+
+
 @pytest.fixture(scope="module")
 def greedy_tokens():
-    """greedy_tokens(backend, dtype) -> each prompt's generated token ids (each run once per module)."""
+    """greedy_tokens(backend, dtype, speculative=False) -> each prompt's generated token ids (each run once
+    per module); ``greedy_tokens.spec_stats``: a speculative run's ``get_stats()["spec_decode"]``."""
     from paged_jax import LLM, SamplingParams
 
     runs = {}
 
-    def get(backend: str, dtype: str):
+    def get(backend: str, dtype: str, speculative: bool = False):
         if backend == "pallas" and INTERPRET:
             backend = "pallas-interpret"
-        if (backend, dtype) not in runs:
+        if (backend, dtype, speculative) not in runs:
             params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
             # Traced (and compiled) inside the context: every matmul of the run at full float32 precision,
             # so that float32 runs differ only by the attention's rounding. A small pool: quick to allocate.
             with jax.default_matmul_precision("highest"):
-                llm = LLM(attention_backend=backend, dtype=dtype, max_model_len=256, num_kv_blocks=64)
+                llm = LLM(attention_backend=backend, dtype=dtype, max_model_len=256, num_kv_blocks=64,
+                          speculative_config=SPECULATIVE if speculative else None)
                 outs = llm.generate(PROMPTS, params, use_tqdm=False)
-            chosen = llm.llm_engine.get_stats().get("attention_backend", backend)
+            stats = llm.llm_engine.get_stats()
+            chosen = stats.get("attention_backend", backend)
             assert chosen == backend, (backend, chosen)
-            runs[backend, dtype] = [list(o.outputs[0].token_ids) for o in outs]
-        return runs[backend, dtype]
+            if speculative:
+                get.spec_stats = stats["spec_decode"]
+            runs[backend, dtype, speculative] = [list(o.outputs[0].token_ids) for o in outs]
+        return runs[backend, dtype, speculative]
 
     return get
 
@@ -240,3 +252,13 @@ def test_engine_pallas_bfloat16_first_tokens_agree(greedy_tokens):
     got = greedy_tokens("pallas", "bfloat16")
     assert [t[0] for t in got] == [t[0] for t in want]
     assert all(len(t) == MAX_TOKENS for t in got)
+
+
+def test_engine_pallas_float32_speculative_greedy_equals_reference(greedy_tokens):
+    """n-gram speculative decoding on "pallas": each drafted row's pending token and drafts are one query
+    tile of the prefill kernel (causal within the tile); every token equal to plain decoding on the reference."""
+    want = greedy_tokens("reference", "float32")
+    got = greedy_tokens("pallas", "float32", speculative=True)
+    assert got == want
+    stats = greedy_tokens.spec_stats
+    assert stats["num_drafts"] > 0 and 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], stats
