@@ -142,6 +142,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
                                                  num_blocks_for_memory)
     from paged_jax.models.tiny import default_model_path
     from paged_jax.executor.loading import load_for_serving
+    from paged_jax.spec_decode.draft_model import draft_kv_bytes_per_token
 
     from paged_jax import envs
 
@@ -179,15 +180,18 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
                        args.free_blocks_outside_window)
     # No pool needs more than every sequence at full length could use in every group (plus the null block).
     cap = args.max_num_seqs * -(-max_model_len // bs) * layout.num_groups + 1
+    # A draft model's cache has a block for every block of the pools (the same ids): its K/V count too.
+    draft = draft_kv_bytes_per_token(args.speculative_config, mc.dtype)
     if args.num_kv_blocks is not None:
         num_gpu_blocks = args.num_kv_blocks
     else:
         num_gpu_blocks = min(cap, num_blocks_for_memory(
             mc, bs, available_kv_memory(args.gpu_memory_utilization, args.cpu_kv_cache_space,
-                                        args.tensor_parallel_size), layout.num_slots))
+                                        args.tensor_parallel_size), layout.num_slots, draft))
         if num_gpu_blocks < 2:
             raise ValueError("not enough memory for a KV cache: give num_kv_blocks or more memory")
-    num_cpu_blocks = min(cap, num_blocks_for_memory(mc, bs, int(args.swap_space * (1 << 30)), layout.num_slots))
+    num_cpu_blocks = min(cap, num_blocks_for_memory(mc, bs, int(args.swap_space * (1 << 30)), layout.num_slots,
+                                                    draft))
     # The budget bounds a step's chunk of one sequence: the windowed groups take a prompt's blocks chunk by chunk.
     block_manager = make_block_manager(layout, bs, num_gpu_blocks, num_cpu_blocks, max_num_batched_tokens=budget,
                                        watermark=args.watermark, enable_prefix_caching=args.enable_prefix_caching,

@@ -81,10 +81,12 @@ def available_kv_memory(fraction: float, cpu_kv_cache_space: float, num_devices:
 
 
 def num_blocks_for_memory(config: ModelConfig, block_size: int, nbytes: int,
-                          layers_per_block: Optional[int] = None) -> int:
-    """Blocks of ``block_size`` tokens of ``layers_per_block`` layers (default: all) in ``nbytes``."""
+                          layers_per_block: Optional[int] = None, extra_bytes_per_token: int = 0) -> int:
+    """Blocks of ``block_size`` tokens of ``layers_per_block`` layers (default: all) in ``nbytes``, each
+    also costing ``extra_bytes_per_token`` a token in a cache indexed by the same block ids (a draft model's)."""
     layers = config.num_layers if layers_per_block is None else layers_per_block
-    return nbytes * config.num_layers // (config.kv_bytes_per_token * block_size * layers)
+    per_block = block_size * (config.kv_bytes_per_token * layers + extra_bytes_per_token * config.num_layers)
+    return nbytes * config.num_layers // per_block
 
 
 # The step computes its rows' greedy tokens only up to this many logits (rows x vocabulary, 1 MiB of

@@ -195,6 +195,17 @@ class DraftModelProposer:
         return True
 
 
+def draft_kv_bytes_per_token(config, dtype: str) -> int:
+    """Bytes a token takes in the KV cache of ``config``'s draft model (a SpeculativeConfig or None) loaded
+    in ``dtype`` (the target's): the draft's cache has a block for each of the target's, so every block
+    of the pools costs that much more a token. 0 without a draft model."""
+    if config is None or config.model is None:
+        return 0
+    from paged_jax.parallel.checkpoint import load_config_any
+
+    return load_config_any(config.model, dtype).kv_bytes_per_token
+
+
 def _decode_only(out: "SchedulerOutput") -> bool:
     """Whether ``out`` runs one pending token per row and no cache operation: the draft loop can run it."""
     return (not (out.blocks_to_swap_in or out.blocks_to_swap_out or out.blocks_to_copy)
