@@ -309,7 +309,7 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 assert len(table) <= -(-seq.get_len() // BS)  # waste under one block
                 if self.budget and window is not None:  # a prompt's blocks chunk by chunk: none past the step's
                     assert len(table) <= -(-min(seq.get_len(), seq.num_computed_tokens + self.budget) // BS)
-                    assert len(table) - freed <= -(-(window + self.budget) // BS) + 1  # the window's and a chunk's
+                    assert len(table) - freed <= -(-(window + self.budget + BS - 1) // BS)  # the window's and a chunk's
                 if device is Device.GPU:
                     assert table[:freed] == [NULL_BLOCK] * freed
                 # Only blocks no token still to compute can see are freed.

@@ -35,7 +35,7 @@ hold (``seq.get_len()`` at the last ``allocate`` / ``append_slot``). Invariants
 - With ``max_num_batched_tokens`` set (the hybrid manager's windowed groups), a table covers the
   sequence's tokens only up to that many past its computed ones (``tokens_to_hold``): a long prompt
   takes its blocks chunk by chunk, and, as the window frees the blocks behind, never holds more than
-  the window's and a chunk's.
+  the window's and a chunk's: ``ceil((sliding_window + max_num_batched_tokens + block_size - 1) / block_size)``.
 
 Prefix sharing (automatic prefix caching, pinned prefixes): :mod:`~paged_jax.memory.prefix_sharing`;
 swapping: :mod:`~paged_jax.memory.swapping`.
@@ -43,6 +43,7 @@ swapping: :mod:`~paged_jax.memory.swapping`.
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from typing import Optional
 
@@ -111,8 +112,15 @@ class BlockManager(PrefixSharing, Swapping):
         """What ``allocate`` with these arguments would do now (see ``block_table``). ``match_prefix``: a
         lookup in place of this manager's own (the hybrid manager's: a hit in every layer group)."""
         match = (match_prefix or self._match_prefix) if use_prefix_cache else None
-        return plan_allocation(_waiting_seqs(seq_group), self.block_size, reserve_tokens, self.enable_block_sharing,
+        plan = plan_allocation(_waiting_seqs(seq_group), self.block_size, reserve_tokens, self.enable_block_sharing,
                                match, self.gpu_allocator.get_ref_count, self.max_num_batched_tokens)
+        if self.max_num_batched_tokens is None or self.sliding_window is None or plan.min_blocks:
+            return plan
+        # Chunk by chunk a table grows past its first chunk's blocks, up to its window's and a chunk's: whether
+        # a prompt can ever fit is decided by that peak, not by what admission takes.
+        most = blocks_for(self.sliding_window + self.max_num_batched_tokens + self.block_size - 1, self.block_size)
+        peak = sum(min(blocks_for(p.seq.get_len(), self.block_size), most) for p in plan.seqs if p.same_as is None)
+        return dataclasses.replace(plan, num_blocks_uncached=max(plan.num_blocks_uncached, peak))
 
     def can_allocate(self, seq_group: SequenceGroup, reserve_tokens: int = 0,
                      use_prefix_cache: bool = True) -> AllocStatus:

@@ -248,7 +248,8 @@ class HybridBlockManager:
         groups' all and the windowed groups' window."""
         bs, h = self.block_size, self.max_num_batched_tokens
         prompt = blocks_for(prompt_len, bs)
-        start = sum(prompt if w is None or h is None else min(prompt, blocks_for(w + h, bs) + 1) for w in self.windows)
+        start = sum(prompt if w is None or h is None else min(prompt, blocks_for(w + h + bs - 1, bs))
+                    for w in self.windows)
         end = sum(blocks_for(total_len, bs) if w is None else min(blocks_for(total_len, bs), -(-w // bs) + 1)
                   for w in self.windows)
         return max(start, end)
