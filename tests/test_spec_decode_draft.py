@@ -86,6 +86,27 @@ def test_the_draft_loop_without_greedy_ids_from_the_step(tiny_llama_dir, monkeyp
     assert spec.llm_engine.get_stats()["spec_decode"]["acceptance_rate"] >= 0.95
 
 
+def test_the_pools_sized_from_memory_hold_the_draft_models_cache_too(tiny_llama_dir, other_draft):
+    """Without num_kv_blocks the pools' blocks come from the memory allowed (cpu_kv_cache_space on the CPU,
+    swap_space for the host pool); the draft's caches have a block for each of the target's: the target's
+    and the draft's arrays together fit what was allowed, and one more block each would not."""
+    device, host = 300_000, 200_000  # bytes: a few dozen blocks, far under the pools' cap
+    llm = LLM(str(tiny_llama_dir), max_model_len=64, cpu_kv_cache_space=device / 2 ** 30, swap_space=host / 2 ** 30,
+              speculative_config={"model": str(other_draft), "num_speculative_tokens": 2})
+    target, draft = llm.llm_engine.runner, llm.llm_engine.spec_decoder.draft.runner
+
+    def nbytes(pool):
+        return sum(int(a.nbytes) for layer in pool for a in layer)
+
+    for pools, allowed in (((target.kv_caches, draft.kv_caches), device),
+                           ((target.host_pool, draft.host_pool), host)):
+        blocks = {a.shape[0] for pool in pools for layer in pool for a in layer}
+        assert len(blocks) == 1, blocks  # the draft's pool has the target's block ids
+        num_blocks = blocks.pop()
+        used = sum(nbytes(pool) for pool in pools)
+        assert used <= allowed < used + used // num_blocks, (used, allowed, num_blocks)
+
+
 def test_a_draft_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path):
     draft = make_tiny_model(tmp_path / "small-vocab", family="llama", vocab_size=256)
     with pytest.raises(ValueError, match="vocabulary of 256 tokens, the target 512"):
