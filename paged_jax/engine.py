@@ -296,6 +296,8 @@ class LLMEngine:
                 seq.status = SequenceStatus.FINISHED_ABORTED
         if fork_copies:  # without block sharing, forked sequences get copies of their parents' blocks
             self.runner.execute(SchedulerOutput(blocks_to_copy=fork_copies), [])
+            if self.spec_decoder is not None:
+                self.spec_decoder.copy_blocks(fork_copies)  # a draft model's cache too
         for group in touched.values():
             for seq in group.get_seqs():
                 if seq.is_finished() and self.block_manager.has_seq(seq):

@@ -234,6 +234,12 @@ class SpecDecoder:
                 break
         self.finish(seq)
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """The engine's (src, dst) block copies made outside a step (forks without block sharing), in the
+        draft model's cache too: it reads the forked sequences through the same block ids."""
+        if self.draft is not None:
+            self.draft.copy_blocks(copies)
+
     def warm_up(self, scheduler_config, progress: bool = True) -> dict:
         """Compile the draft model's steps (method "draft_model"); returns the target runner's warm-up
         arguments for the verification steps."""

@@ -13,8 +13,9 @@ A greedy request's drafts are the draft model's greedy tokens: a deterministic p
 engine's verification (the target's argmax at each position, a draft accepted while equal) keeps
 the outputs equal to plain decoding's (see :mod:`.decoder`). A sampled request's drafts are drawn
 from the draft's processed distribution ``q``, kept for the rejection sampler (:mod:`.sampled`).
-Where the draft cache holds something stale (blocks a fork copied after a step) only the acceptance
-suffers, never the output.
+The block copies the engine makes between steps (forks without block sharing) are made in the draft's
+cache too (:meth:`DraftModelProposer.copy_blocks`). Were the draft cache to hold something stale, only the
+acceptance would suffer, never the output.
 """
 
 from __future__ import annotations
@@ -92,6 +93,12 @@ class DraftModelProposer:
         runner = ModelRunner(config, params, target_runner.block_size, num_gpu_blocks, num_cpu_blocks,
                              target_runner.attention_backend, target_runner.seed, native_kernels=native)
         return cls(runner, k)
+
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy blocks ``(src, dst)`` in the draft's cache, as the engine copied them in the target's."""
+        from paged_jax.scheduler import SchedulerOutput
+
+        self.runner.execute(SchedulerOutput(blocks_to_copy=list(copies)), [])
 
     def propose(self, out: "SchedulerOutput", limits: dict[int, int], block_manager: "BlockManager") -> dict[int, int]:
         """Run ``out`` on the draft model, then draft for the rows ``limits`` names (row index: most
