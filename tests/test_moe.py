@@ -173,9 +173,17 @@ def test_moe_configs_refuse_what_they_cannot_run():
         model_config_from_hf({k: v for k, v in mixtral.items() if k != "num_local_experts"})
 
 
+# One pool keeping every layer's blocks, and (Gemma 3) its six layer groups: pages of one layer, the
+# windowed groups taking a prompt's blocks chunk by chunk. Each pool admits two of the prompts and preempts.
+ONE_POOL = dict(num_kv_blocks=22, free_blocks_outside_window=False)
+LAYER_GROUPS = dict(num_kv_blocks=45)
+
+
 @pytest.mark.slow  # about 20 s each
-@pytest.mark.parametrize("variant", ["qwen3_moe", "gemma3"])
-def test_new_families_greedy_with_chunked_prefill_prefix_caching_and_preemption(hf_model_dir, variant):
+@pytest.mark.parametrize("variant,pool", [("mixtral", ONE_POOL), ("qwen2_moe", ONE_POOL), ("qwen3_moe", ONE_POOL),
+                                          ("gemma3", ONE_POOL), ("gemma3", LAYER_GROUPS)],
+                         ids=["mixtral", "qwen2_moe", "qwen3_moe", "gemma3", "gemma3-layer-groups"])
+def test_new_families_greedy_with_chunked_prefill_prefix_caching_and_preemption(hf_model_dir, variant, pool):
     """The engine's other paths: prompts prefilled in 8-token chunks, the later prompts' shared prefix read
     from cached blocks, and a pool small enough that sequences are preempted and recomputed; greedy tokens
     equal transformers' for each prompt alone."""
@@ -186,11 +194,8 @@ def test_new_families_greedy_with_chunked_prefill_prefix_caching_and_preemption(
     rng = np.random.default_rng(3)
     shared = rng.integers(3, hf.config.vocab_size, size=20).tolist()
     prompts = [shared + rng.integers(3, hf.config.vocab_size, size=n).tolist() for n in (3, 9, 14)]
-    # One pool keeping every layer's blocks: with Gemma 3's six layer groups a page holds one layer and
-    # admission takes every group's prompt blocks, so no pool both admits two of these prompts and
-    # preempts them (tests/test_layer_groups.py preempts with groups, on longer outputs).
     llm = LLM(str(path), block_size=4, max_model_len=128, enable_chunked_prefill=True, max_num_batched_tokens=8,
-              enable_prefix_caching=True, num_kv_blocks=22, free_blocks_outside_window=False)
+              enable_prefix_caching=True, **pool)
     params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
     got = [list(o.outputs[0].token_ids) for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
                                                                use_tqdm=False)]
