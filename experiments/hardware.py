@@ -50,13 +50,22 @@ MODELS: dict[str, ModelConfig] = {
         "num_hidden_layers": 40, "num_attention_heads": 40, "num_key_value_heads": 40,
         "intermediate_size": 13824, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6,
         "torch_dtype": "float16"}, where="LLaMA"),
+    # Gemma 3 12B's text model (google/gemma-3-12b-it's text_config): 40 windowed layers (1,024 tokens)
+    # and 8 global ones, five to one; with layer groups the windowed ones keep a window's blocks.
+    "gemma3-12b": model_config_from_hf({
+        "architectures": ["Gemma3ForCausalLM"], "model_type": "gemma3_text", "vocab_size": 262208,
+        "hidden_size": 3840, "intermediate_size": 15360, "num_hidden_layers": 48, "num_attention_heads": 16,
+        "num_key_value_heads": 8, "head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 1024,
+        "sliding_window_pattern": 6, "rope_theta": 1000000.0, "rope_local_base_freq": 10000.0,
+        "rope_scaling": {"rope_type": "linear", "factor": 8.0}, "max_position_embeddings": 131072,
+        "hidden_activation": "gelu_pytorch_tanh", "torch_dtype": "bfloat16"}, where="Gemma 3"),
 }
 
 
 def num_params(m: ModelConfig) -> int:
     """Weights read per forward pass: attention and MLP of every layer plus the LM head."""
     h = m.hidden_size
-    mlp = (3 if m.family == "llama" else 2) * h * m.intermediate_size
+    mlp = (2 if m.family in ("opt", "gpt2") else 3) * h * m.intermediate_size  # the others gate (SwiGLU, GeGLU)
     attn = 2 * h * m.num_heads * m.head_dim + 2 * h * m.num_kv_heads * m.head_dim
     return m.num_layers * (attn + mlp) + m.vocab_size * h
 
@@ -87,6 +96,18 @@ SETUPS: dict[str, Setup] = {
     # Not in Table 1: LLaMA-13B (shared-prefix experiment) has OPT-13B's KV size per token; same GPU and pool.
     "llama-13b": Setup("LLaMA-13B, 1xA100-40GB", MODELS["llama-13b"], A100_40GB, 1, 15_700),
 }
+
+
+def slots_in_memory(model: ModelConfig, gpu: GPUProfile, utilization: float = 0.9,
+                    activations: float = 2 * GIB) -> int:
+    """KV token slots (every layer's K/V, one pool) left in ``utilization`` of the GPU's memory by the
+    16-bit weights and ``activations`` (vLLM's ``gpu_memory_utilization`` sizing)."""
+    return int((utilization * gpu.memory_bytes - 2 * num_params(model) - activations) // model.kv_bytes_per_token)
+
+
+# Not in Table 1: Gemma 3 12B (text) on one A100-80GB, its pool sized as vLLM sizes it.
+SETUPS["gemma3-12b"] = Setup("Gemma 3 12B, 1xA100-80GB", MODELS["gemma3-12b"], A100_80GB, 1,
+                             slots_in_memory(MODELS["gemma3-12b"], A100_80GB))
 
 
 def with_kv_cache(setup: Setup, kv_cache_dtype: str, name: str) -> Setup:

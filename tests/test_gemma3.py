@@ -71,3 +71,28 @@ def test_gemma3_refuses_scaling_on_the_windowed_layers():
         model_config_from_hf(dict(BASE, rope_parameters={
             "full_attention": {"rope_type": "default", "rope_theta": 1e6},
             "sliding_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}))
+
+
+@pytest.mark.slow  # about 20 s: transformers builds the 12B model's modules (on the meta device)
+def test_the_gemma3_12b_setup_is_transformers_model():
+    """experiments/hardware.py's Gemma 3 12B: its layer kinds are those transformers gives the same config,
+    and the weights the cost model reads (attention, MLP, the tied embedding once) are that model's
+    parameters less its norms (built on the meta device: no memory)."""
+    import transformers
+
+    from experiments.hardware import SETUPS, num_params
+
+    setup = SETUPS["gemma3-12b"]
+    m = setup.model
+    cfg = transformers.Gemma3TextConfig(vocab_size=m.vocab_size, hidden_size=m.hidden_size,
+                                        intermediate_size=m.intermediate_size, num_hidden_layers=m.num_layers,
+                                        num_attention_heads=m.num_heads, num_key_value_heads=m.num_kv_heads,
+                                        head_dim=m.head_dim, sliding_window=1024, sliding_window_pattern=6)
+    assert [m.attention_spec(i).sliding_window is None for i in range(m.num_layers)] == [
+        t == "full_attention" for t in cfg.layer_types]
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(cfg)
+    params = {id(p): p for p in hf.parameters()}.values()  # the tied embedding once
+    weights = sum(p.numel() for p in params if p.dim() > 1)
+    assert num_params(m) == weights
+    assert 100_000 < setup.kv_slots < 130_000  # 0.9 x 80 GB less 23.5 GB of weights, at 384 KiB a token
