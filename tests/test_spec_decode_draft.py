@@ -86,6 +86,21 @@ def test_the_draft_loop_without_greedy_ids_from_the_step(tiny_llama_dir, monkeyp
     assert spec.llm_engine.get_stats()["spec_decode"]["acceptance_rate"] >= 0.95
 
 
+def test_fork_copies_reach_the_draft_models_cache(tiny_llama_dir):
+    """n > 1 without block sharing: the engine copies a request's blocks to each sample it forks, between
+    steps, and makes the same copies in the draft's cache. The target as its own sampled draft then has
+    every draft accepted (q equals p); with the draft's copies left out, stale blocks cut it to 0.67."""
+    target = str(tiny_llama_dir)
+    llm = LLM(target, block_size=4, num_kv_blocks=64, max_model_len=64, enable_block_sharing=False,
+              speculative_config={"model": target, "num_speculative_tokens": 3})
+    params = SamplingParams(temperature=0.9, n=2, seed=5, max_tokens=12, ignore_eos=True)
+    out = llm.generate(PROMPTS[0], params, use_tqdm=False)[0].outputs
+    assert len(out) == 2 and out[0].token_ids != out[1].token_ids and all(len(c.token_ids) == 12 for c in out)
+    stats = llm.llm_engine.get_stats()["spec_decode"]
+    assert stats["num_drafts"] > 0 and stats["acceptance_rate"] >= 0.98, stats
+    _check_all_blocks_back(llm.llm_engine)
+
+
 def test_the_pools_sized_from_memory_hold_the_draft_models_cache_too(tiny_llama_dir, other_draft):
     """Without num_kv_blocks the pools' blocks come from the memory allowed (cpu_kv_cache_space on the CPU,
     swap_space for the host pool); the draft's caches have a block for each of the target's: the target's
