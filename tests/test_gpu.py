@@ -4,7 +4,7 @@ Marked ``gpu`` and skipped where ``jax.default_backend() != "gpu"``. On a GPU ma
 
     python -m pytest -m gpu tests/test_gpu.py
 
-(about 40 kernel compilations and four engines on the bundled default model: sized to take well
+(about 40 kernel compilations and five engines on the bundled default model: sized to take well
 under three minutes on an H100). Where there is no GPU, ``PAGED_JAX_GPU_TESTS=interpret`` runs the
 same tests with the kernels in Pallas interpret mode and the engine on ``"pallas-interpret"``
 (about 3 minutes on 2 CPU cores), to check the tests themselves; on a GPU it changes nothing.
