@@ -188,6 +188,7 @@ for M, K, N in [(1, 16, 16), (9, 40, 96), (33, 70, 32)]:
     want = (xq.astype(np.int64) @ wq.astype(np.int64)).astype(np.float32) * xs * ws
     errs.append(float(np.abs(got - want).max()))
 # quantized weights (int8, int4 with zero points, fp8) against XLA's dequantizing matmul, 1 and 12 rows
+tiles_equal = []
 for values, bits in [(rng.integers(-128, 128, size=(64, 48)).astype(np.int8), 8),
                      (rng.integers(0, 256, size=(32, 48)).astype(np.uint8), 4),
                      (jnp.asarray(rng.standard_normal((64, 48)) * 8, dtype=jnp.float8_e4m3fn), 8)]:
@@ -199,6 +200,12 @@ for values, bits in [(rng.integers(-128, 128, size=(64, 48)).astype(np.int8), 8)
         x = jnp.asarray(rng.standard_normal((M, 64)).astype(np.float32))
         got = np.asarray(native.linear_quantized(x, panels, scales, bits, zeros))[:, :48]
         errs.append(float(np.abs(got - np.asarray(x @ p.dequantize())).max()))
+    # register tiles of 1 to 8 rows (one tile: 7 and 8 rows in 8-column strips) equal to the bit the
+    # same rows of a 12-row product (float32 slabs)
+    x = jnp.asarray(rng.standard_normal((12, 64)).astype(np.float32))
+    slabs = np.asarray(native.linear_quantized(x, panels, scales, bits, zeros))
+    tiles_equal.append([bool((np.asarray(native.linear_quantized(x[:M], panels, scales, bits, zeros)) == slabs[:M]).all())
+                        for M in range(1, 9)])
 # int4 x int8 (activations quantized per block of 32 in the kernel): relative to q8_0's numpy oracle
 from tests.test_native_int4 import int4_case, q8_0_oracle
 int4_errs = []
@@ -208,7 +215,7 @@ for M in (1, 2, 6):
                                         native.pack_padded(jnp.asarray(sc))))[:, :96]
     want = q8_0_oracle(x, q, sc)
     int4_errs.append(float(np.abs(got - want).max() / np.abs(want).max()))
-print(json.dumps({"errs": errs, "int4_errs": int4_errs, "status": native.status(),
+print(json.dumps({"errs": errs, "int4_errs": int4_errs, "tiles_equal": tiles_equal, "status": native.status(),
                   "packs_weights": native.packs_weights()}))
 """
 
@@ -221,6 +228,7 @@ def test_avx2_paths_without_avx512(tmp_path_factory):
     out = run_build(PORTABLE_CHECK, tmp_path_factory, "test_native_linear.py::test_avx2_paths_without_avx512")
     assert len(out["errs"]) == 12 and max(out["errs"]) < 1e-3, out["errs"]
     assert len(out["int4_errs"]) == 3 and max(out["int4_errs"]) < 1e-6, out["int4_errs"]
+    assert out["tiles_equal"] == [[True] * 8] * 3, out["tiles_equal"]  # int8, int4, fp8: 1 to 8 rows
     assert {"linear float32", "linear int8", "linear int4", "linear fp8",
             "linear int8 x int8", "linear int4 x int8"} <= set(out["status"]["traced"])
     avx2 = "avx2" in native.cpu_isa()
@@ -349,7 +357,8 @@ def test_fp8_weights_match_numpy(M, scales, act):
 @needs_native
 @pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
 def test_register_tiles_and_float_slabs_agree_to_the_bit(fmt):
-    """Rows 0-3 of a 12-row product (float32 slabs) equal the same rows run alone (register tiles)."""
+    """Rows 0-3, 0-6 and 0-7 of a 12-row product (float32 slabs) equal the same rows run alone
+    (register tiles of 4, 7 and 8 rows)."""
     from paged_jax.weights import QuantizedLinear
 
     rng = np.random.default_rng(len(fmt))
@@ -361,8 +370,9 @@ def test_register_tiles_and_float_slabs_agree_to_the_bit(fmt):
     panels, scales, zeros, _ = pack_quantized(p)
     x = jnp.asarray(rng.standard_normal((12, 256)).astype(np.float32))
     f = jax.jit(native.linear_quantized, static_argnums=3)
-    np.testing.assert_array_equal(np.asarray(f(x, panels, scales, p.bits, zeros))[:4],
-                                  np.asarray(f(x[:4], panels, scales, p.bits, zeros)))
+    slabs = np.asarray(f(x, panels, scales, p.bits, zeros))
+    for M in (4, 7, 8):
+        np.testing.assert_array_equal(slabs[:M], np.asarray(f(x[:M], panels, scales, p.bits, zeros)))
 
 
 @needs_native
@@ -390,14 +400,15 @@ def test_pack_params_packs_the_quantized_weights_the_kernel_takes_and_leaves_the
 
 
 @needs_native
-@pytest.mark.parametrize("fmt,limit", [("int8", 16), ("int4", 64), ("fp8", 32)])
+@pytest.mark.parametrize("fmt,limit", [("int8", None), ("int4", 64), ("fp8", 32)])
 def test_quantized_steps_past_the_row_limit_run_xla_without_avx512(monkeypatch, fmt, limit):
     """Without AVX-512 (a build's linear path, set here as an AVX2 build reports it) a quantized
     layer gives the native kernel steps of up to its format's row limit and XLA's dequantize-then-
-    matmul the longer ones; with AVX-512, the kernel at every row count. Both equal numpy's product."""
+    matmul the longer ones (int8: no limit, the kernel at every row count); with AVX-512, the kernel
+    at every row count. Both equal numpy's product."""
     from paged_jax.weights import QuantizedLinear
 
-    rng = np.random.default_rng(limit)
+    rng = np.random.default_rng(limit or 16)
     if fmt == "fp8":
         values = jnp.asarray(rng.standard_normal((64, 48)) * 8, dtype=jnp.float8_e4m3fn)
         scale = rng.uniform(0.01, 0.1, (2, 48)).astype(np.float32)
@@ -406,9 +417,10 @@ def test_quantized_steps_past_the_row_limit_run_xla_without_avx512(monkeypatch, 
     else:
         p, w = _quantized(rng, 64, 48, 8 if fmt == "int8" else 4, 2, zero=True)
     packed = to_panels({"w": p})["w"]
-    for isa, kernel_rows in ((1, [1, limit]), (2, [1, limit, limit + 1, 200])):
+    rows = [1, limit or 16, (limit or 16) + 1, 200]
+    for isa, kernel_rows in ((1, rows[:2] if limit else rows), (2, rows)):
         monkeypatch.setitem(native._state, "linear_isa", isa)
-        for M in (1, limit, limit + 1, 200):
+        for M in rows:
             x = rng.standard_normal((M, 64)).astype(np.float32)
             text = jax.jit(packed.__call__).lower(jnp.asarray(x)).as_text()
             kernel = native.QUANTIZED_TARGETS[packed.panels.dtype.name][0]
@@ -416,7 +428,7 @@ def test_quantized_steps_past_the_row_limit_run_xla_without_avx512(monkeypatch, 
             np.testing.assert_allclose(np.asarray(jax.jit(packed.__call__)(jnp.asarray(x))), x.astype(np.float64) @ w,
                                        rtol=1e-5, atol=1e-5 * np.sqrt(64))
     monkeypatch.setitem(native._state, "linear_isa", 1)
-    assert native.status()["quantized_native_rows"] == {"int8": 16, "float8_e4m3fn": 32, "uint8": 64}
+    assert native.status()["quantized_native_rows"] == {"int8": None, "float8_e4m3fn": 32, "uint8": 64}
 
 
 def _w8a8(rng, K, N, per_tensor=False):

@@ -181,19 +181,22 @@ def loaded() -> bool:
 
 # Rows of x per step up to which the quantized matmuls run the native kernel; past them, XLA
 # dequantizes the same panels to float32 and runs its own matmul, which is then the faster (the
-# dequantizing pass is paid once per step, not per row). By the values' dtype, on builds without
-# AVX-512 (AVX2 tiles or portable loops); with AVX-512 the native kernel was the faster at every
-# row count measured (up to 256). Measured per layer matmul of a LLaMA 512 wide at 1-256 rows on
-# an AMD EPYC with AVX-512 turned off (-mno-avx512f; XLA held to AVX2): native int8 ahead up to
-# 16 rows and behind from 32 (1.1x at 32, 1.5x at 128), fp8 ahead to 32 and even at 64, int4
-# ahead to 64 and even at 128 (1.2x behind at 192).
-QUANTIZED_NATIVE_ROWS = {"int8": 16, "float8_e4m3fn": 32, "uint8": 64}
+# dequantizing pass is paid once per step, not per row); None: the native kernel at every row
+# count. By the values' dtype, on builds without AVX-512 (AVX2 tiles or portable loops); with
+# AVX-512 the native kernel was the faster at every row count measured (up to 256). Measured per
+# layer matmul of a LLaMA 512 wide at 1-256 rows on an AMD EPYC with AVX-512 turned off
+# (-mno-avx512f; XLA held to AVX2): fp8 ahead to 32 and even at 64, int4 ahead to 64 and even at
+# 128 (1.2x behind at 192). int8 keeps the kernel at every row count: in the engine's steps XLA's
+# dequantize-then-matmul lost to it at every batch (decode tokens/s with int8 prefills and decode
+# steps all native against XLA's past 16 rows: 1.8x at batch 8, 4.6x at batch 32,
+# experiments/bench_isa_decode.py's model with AVX-512 turned off).
+QUANTIZED_NATIVE_ROWS = {"int8": None, "float8_e4m3fn": 32, "uint8": 64}
 
 
 def quantized_native_rows(dtype: str):
     """The most rows of x a step's quantized matmul (panels of ``dtype``: "int8", "uint8" for
     int4, "float8_e4m3fn") runs through the native kernel, XLA's dequantize-then-dot above; None:
-    the native kernel at every row count (AVX-512 builds, or before a build)."""
+    the native kernel at every row count (AVX-512 builds, int8 on every build, or before a build)."""
     if _state.get("linear_isa", 2) == 2:
         return None
     return QUANTIZED_NATIVE_ROWS[dtype]
