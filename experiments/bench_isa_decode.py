@@ -10,7 +10,8 @@ left to XLA's matmul, "f32 XLA") and quantized on load (``quantization="int8" | 
 build runs in its own process (the kernels' paths are fixed when the library is compiled; XLA's
 generated code is held to the same set with ``--xla_cpu_max_isa``): the default ``-march=native``,
 and ``-mno-avx512f`` (AVX2 + FMA3; on an AVX-512 machine that machine with AVX-512 turned off, not
-an AVX2 CPU). The builds alternate for ``--rounds`` rounds, the formats interleave within each
+an AVX2 CPU: XLA's float32 dots still run YNNPACK's AVX-512 kernels there, see
+``bench_matmul_isa.py``, so "f32 XLA" is faster in those rows than on an AVX2 CPU). The builds alternate for ``--rounds`` rounds, the formats interleave within each
 (``bench_quantized.decode_seconds``), and the fastest is kept. Prints tokens/s at each batch size
 with each format's ratio to the float32 the engine runs in that build (``native.packs_weights()``
 says which of the two), and which float32 is the faster.
