@@ -206,6 +206,21 @@ def test_expert_parallel_under_preemption_and_from_orbax(hf_model_dir, tmp_path,
 FAMILY_EXPERTS = {"mixtral": 4, "qwen2_moe": 4, "qwen3_moe": 8}
 
 
+@pytest.mark.slow  # 130 s at load 6-7 on 2 cores: a process with 4 CPU devices
+def test_tp_gemma3_layer_groups(hf_model_dir, tmp_path):
+    """Gemma 3's six layer groups split over 2 devices, and over 4 (its 2 KV heads replicated) under swap
+    preemption with prompts in 16-token chunks (the windowed groups' blocks taken chunk by chunk):
+    greedy tokens equal transformers'."""
+    path, prompts = hf_model_dir("gemma3"), PROMPTS[::2]
+    tight = dict(num_kv_blocks=40, block_size=8, max_num_batched_tokens=16, preemption_mode="swap")
+    runs = run_worker(tmp_path, [dict(job(path, 2, **AMPLE), prompts=prompts),
+                                 dict(job(path, 4, **tight), prompts=prompts)])
+    want = transformers_greedy(path, prompts, MAX_TOKENS)
+    for tp, got in zip((2, 4), runs):
+        assert got["tokens"] == want and got["all_free"], tp
+    assert runs[1]["preemptions"]["swap"] > 0
+
+
 @pytest.mark.slow
 def test_tp_with_pallas_backend(hf_model_dir, tmp_path):
     """The Pallas kernels (interpret mode on the CPU) run per device inside shard_map."""
