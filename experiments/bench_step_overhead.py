@@ -12,7 +12,9 @@ at context 100 and, each figure the minimum and median over ``--calls`` calls:
   dispatch of that many leaves; and the same with the batch's arrays in one int32 buffer;
 - reading the step's greedy ids and logprobs (two ``np.asarray``) once it is done;
 - ``prepare_batch`` by the decode path and by the general path, each right after a step (as the
-  engine runs it: the step has just streamed the weights through the caches) and again at once.
+  engine runs it: the step has just streamed the weights through the caches) and again at once;
+- whole engine decode steps (``LLMEngine.step``, greedy, 32-token prompts, 64 tokens out), runs
+  alternating between the two paths of ``prepare_batch`` (``--engine-runs`` each): the median step.
 """
 
 from __future__ import annotations
@@ -42,8 +44,10 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--engine-runs", type=int, default=10)
     a = ap.parse_args(argv)
-    from paged_jax import LLM
+    from paged_jax import LLM, SamplingParams
+    from paged_jax.executor import model_runner
     from paged_jax.executor.batch import SeqChunk, prepare_batch
     from paged_jax.models.tiny import make_tiny_model
 
@@ -114,6 +118,22 @@ def main(argv=None):
         for what, fn in rows:
             lo, med = timed(fn, a.calls)
             print(f"| {b} | {what} | {lo:.3f} | {med:.3f} |", flush=True)
+        steps = {True: [], False: []}
+        engine, params = llm.llm_engine, SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+        for run in range(2 * a.engine_runs):
+            path = run % 2 == 0
+            model_runner.prepare_batch = lambda *args, path=path, **kw: prepare_batch(*args, decode_path=path, **kw)
+            for i in range(b):
+                engine.add_request(f"{b}-{run}-{i}", None, params, prompt_token_ids=list(range(3 + i, 35 + i)))
+            engine.step()  # the prefill
+            while engine.has_unfinished_requests():
+                t = time.perf_counter()
+                engine.step()
+                steps[path].append(time.perf_counter() - t)
+        model_runner.prepare_batch = prepare_batch
+        for path in (True, False):
+            print(f"| {b} | engine decode step, {'decode' if path else 'general'} path (median of "
+                  f"{len(steps[path])}) | {1e3 * min(steps[path]):.3f} | {1e3 * float(np.median(steps[path])):.3f} |")
 
 
 if __name__ == "__main__":
