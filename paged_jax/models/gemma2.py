@@ -12,7 +12,7 @@ from paged_jax.errors import ModelLoadError
 from paged_jax.models import llama
 from paged_jax.models.config import ModelConfig, check_layer_types
 from paged_jax.models.family import ModelFamily
-from paged_jax.models.layers import ACTIVATIONS, apply_rope, linear, rms_norm, split_heads
+from paged_jax.models.layers import ACTIVATIONS, apply_rope, linear, project, rms_norm, split_heads
 
 def _optional_float(cfg: dict, key: str):
     return None if cfg.get(key) is None else float(cfg[key])
@@ -69,16 +69,16 @@ def layer(lp, c, h, positions, kv, attn, rope=None):
     """``rope``: the layer's RoPE where it is not the config's (Gemma 3's sliding layers)."""
     x = norm(h, lp["ln1"], c)
     rope = c.rope_frequencies() if rope is None else rope
-    q = split_heads(linear(x, lp["q"]), c.num_heads, c.head_dim)
-    k = split_heads(linear(x, lp["k"]), c.num_kv_heads, c.head_dim)
+    q, k, v = project(x, lp, "q", "k", "v")
+    q, k = split_heads(q, c.num_heads, c.head_dim), split_heads(k, c.num_kv_heads, c.head_dim)
     if "q_norm" in lp:  # Gemma 3: a (1 + w) RMSNorm over each head of Q and K, before the rotation
         q, k = norm(q, lp["q_norm"], c), norm(k, lp["k_norm"], c)
     q, k = apply_rope(q, positions, rope), apply_rope(k, positions, rope)
-    v = split_heads(linear(x, lp["v"]), c.num_kv_heads, c.head_dim)
-    o, kv = attn(q, k, v, kv)
+    o, kv = attn(q, k, split_heads(v, c.num_kv_heads, c.head_dim), kv)
     h = h + norm(linear(o.reshape(o.shape[0], -1), lp["o"]), lp["ln2"], c)
     x = norm(h, lp["ln3"], c)
-    x = linear(ACTIVATIONS[c.activation](linear(x, lp["gate"])) * linear(x, lp["up"]), lp["down"])
+    gate, up = project(x, lp, "gate", "up")
+    x = linear(ACTIVATIONS[c.activation](gate) * up, lp["down"])
     return h + norm(x, lp["ln4"], c), kv
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from paged_jax.weights import linear  # noqa: F401  (model code's one matmul, any weight format)
+from paged_jax.weights import linear, project  # noqa: F401  (model code's matmuls, any weight format)
 
 
 def rms_norm(x, w, eps):

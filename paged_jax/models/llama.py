@@ -7,7 +7,7 @@ import jax
 from paged_jax.errors import ModelLoadError
 from paged_jax.models.config import ModelConfig, eos_tuple, require, rope_from_hf
 from paged_jax.models.family import ModelFamily
-from paged_jax.models.layers import apply_rope, linear, rms_norm, split_heads
+from paged_jax.models.layers import apply_rope, linear, project, rms_norm, split_heads
 from paged_jax.weights import DenseEmbedding
 
 
@@ -110,19 +110,19 @@ def attention(lp, c, h, positions, kv, attn):
     """The layer's first half: ``h`` plus self-attention of its normed input."""
     x = rms_norm(h, lp["ln1"], c.norm_eps)
     rope = c.rope_frequencies()
-    q = split_heads(linear(x, lp["q"]), c.num_heads, c.head_dim)
-    k = split_heads(linear(x, lp["k"]), c.num_kv_heads, c.head_dim)
+    q, k, v = project(x, lp, "q", "k", "v")
+    q, k = split_heads(q, c.num_heads, c.head_dim), split_heads(k, c.num_kv_heads, c.head_dim)
     if "q_norm" in lp:  # Qwen3: an RMSNorm over each head of Q and K, before the rotation
         q, k = rms_norm(q, lp["q_norm"], c.norm_eps), rms_norm(k, lp["k_norm"], c.norm_eps)
     q, k = apply_rope(q, positions, rope), apply_rope(k, positions, rope)
-    v = split_heads(linear(x, lp["v"]), c.num_kv_heads, c.head_dim)
-    o, kv = attn(q, k, v, kv)
+    o, kv = attn(q, k, split_heads(v, c.num_kv_heads, c.head_dim), kv)
     return h + linear(o.reshape(o.shape[0], -1), lp["o"]), kv
 
 
 def mlp(lp, x):
     """SwiGLU."""
-    return linear(jax.nn.silu(linear(x, lp["gate"])) * linear(x, lp["up"]), lp["down"])
+    gate, up = project(x, lp, "gate", "up")
+    return linear(jax.nn.silu(gate) * up, lp["down"])
 
 
 def layer(lp, c, h, positions, kv, attn):

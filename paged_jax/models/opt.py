@@ -5,7 +5,7 @@ from __future__ import annotations
 from paged_jax.errors import ModelLoadError
 from paged_jax.models.config import ModelConfig, eos_tuple, require
 from paged_jax.models.family import ModelFamily
-from paged_jax.models.layers import ACTIVATIONS, layer_norm, linear, split_heads
+from paged_jax.models.layers import ACTIVATIONS, layer_norm, linear, project, split_heads
 from paged_jax.weights import DenseEmbedding
 
 POSITION_OFFSET = 2  # OPT's learned position table starts at index 2
@@ -98,9 +98,8 @@ def embed(params, c, input_ids, positions):
 def layer(lp, c, h, positions, kv, attn):
     pre = c.do_layer_norm_before
     x = layer_norm(h, lp["ln1"], c.norm_eps) if pre else h
-    q = split_heads(linear(x, lp["q"]), c.num_heads, c.head_dim)
-    k = split_heads(linear(x, lp["k"]), c.num_kv_heads, c.head_dim)
-    v = split_heads(linear(x, lp["v"]), c.num_kv_heads, c.head_dim)
+    q, k, v = project(x, lp, "q", "k", "v")
+    q, k, v = (split_heads(t, n, c.head_dim) for t, n in ((q, c.num_heads), (k, c.num_kv_heads), (v, c.num_kv_heads)))
     o, kv = attn(q, k, v, kv)
     h = h + linear(o.reshape(o.shape[0], -1), lp["o"])
     if not pre:

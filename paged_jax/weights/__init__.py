@@ -9,6 +9,8 @@ checkpoint, and the one step (:func:`prepare`) that readies them for a platform.
 - :mod:`~paged_jax.weights.experts`: ``ExpertStack``, a mixture's experts as one weight (any
   class, stacked on an expert axis);
 - :mod:`~paged_jax.weights.panels`: the same functions stored for the native CPU matmuls;
+- :mod:`~paged_jax.weights.fused`: weights of one input (Q, K, V; gate, up) stored as one panel
+  weight, one native call (``project`` reads them, fused or not);
 - :mod:`~paged_jax.weights.methods`: one reader per checkpoint method and on-load quantization,
   behind one registry;
 - :mod:`~paged_jax.weights.prepare`: quantize on load, then store for the platform's kernels.
@@ -21,12 +23,14 @@ from paged_jax.weights.base import (PARALLEL_ROLES, ROLE_AXIS, WEIGHT_TYPES, is_
                                     weight_class)
 from paged_jax.weights.dense import DenseEmbedding, DenseLinear
 from paged_jax.weights.experts import ExpertStack, stack_experts
+from paged_jax.weights.fused import FusedLinear, fuse_inputs, project
 from paged_jax.weights.methods import CHECKPOINT_METHODS, QUANTIZE_ON_LOAD, checkpoint_quantization
 from paged_jax.weights.panels import PanelEmbedding, PanelInt8Linear, PanelLinear, PanelQuantizedLinear, to_panels
 from paged_jax.weights.prepare import prepare
 from paged_jax.weights.quantized import ACTIVATION_QUANT, QuantizedLinear, quantize_per_token, rounded_activations
 
 __all__ = ["PARALLEL_ROLES", "ROLE_AXIS", "WEIGHT_TYPES", "is_weight", "linear", "map_weights", "weight_class",
-           "DenseEmbedding", "DenseLinear", "ExpertStack", "stack_experts", "CHECKPOINT_METHODS", "QUANTIZE_ON_LOAD", "checkpoint_quantization",
+           "DenseEmbedding", "DenseLinear", "ExpertStack", "stack_experts", "FusedLinear", "fuse_inputs", "project",
+           "CHECKPOINT_METHODS", "QUANTIZE_ON_LOAD", "checkpoint_quantization",
            "PanelEmbedding", "PanelInt8Linear", "PanelLinear", "PanelQuantizedLinear", "to_panels", "prepare",
            "ACTIVATION_QUANT", "QuantizedLinear", "quantize_per_token", "rounded_activations"]

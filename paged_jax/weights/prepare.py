@@ -7,6 +7,7 @@ from typing import Optional
 
 from paged_jax import native
 from paged_jax.weights.methods.on_load import INT4_GROUPS, quantize_layers
+from paged_jax.weights.fused import fuse_inputs
 from paged_jax.weights.panels import to_panels
 
 logger = logging.getLogger("paged_jax")
@@ -24,7 +25,9 @@ def prepare(params, platform: str, *, quantization: Optional[str] = None, tensor
        float matmul has its AVX-512 tiles (:func:`~paged_jax.native.packs_weights`: its AVX2 tiles
        lose to XLA's matmul at batch 8, its portable loops at every batch); ``"int4"`` /
        ``"int4-g128"`` weights to the int4 x int8 kernel, as llama.cpp multiplies q4_0 (the
-       activations quantized to int8 per block of 32, :func:`paged_jax.native.linear_int4`).
+       activations quantized to int8 per block of 32, :func:`paged_jax.native.linear_int4`);
+    3. there, each layer's Q, K and V panels, and its gate and up ones, stored as one weight
+       (:func:`~paged_jax.weights.fused.fuse_inputs`): one kernel call where there were two or three.
 
     Called once, where the engine loads the model: nothing after it repacks."""
     if quantization is not None:
@@ -33,6 +36,7 @@ def prepare(params, platform: str, *, quantization: Optional[str] = None, tensor
         floats = native.packs_weights()
         # 4 bits on load is llama.cpp's q4_0, multiplied as it multiplies it (q8_0 activations, integer dot products)
         params = to_panels(params, floats=floats, int4_int8=quantization in INT4_GROUPS)
+        params = fuse_inputs(params)  # Q, K, V and gate, up: one call each (bitwise the same outputs)
         logger.info("weights stored for the native CPU matmuls (%s)", "float32 and quantized" if floats else
                     "quantized only: without AVX-512 tiles XLA's float32 matmul is the faster at batch 8")
         limits = native.status()["quantized_native_rows"]
