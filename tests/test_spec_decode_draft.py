@@ -129,6 +129,12 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path):
             speculative_config={"model": str(draft), "num_speculative_tokens": 2})
 
 
+def test_a_draft_folder_that_cannot_load_is_named_as_the_draft(tiny_llama_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"speculative_config\['model'\]: model path .*missing.* is not a directory"):
+        LLM(str(tiny_llama_dir), num_kv_blocks=8, max_model_len=64,
+            speculative_config={"model": str(tmp_path / "missing"), "num_speculative_tokens": 2})
+
+
 @pytest.mark.parametrize("config", [{"method": "draft_model", "num_speculative_tokens": 2},
                                     {"method": "ngram", "model": "draft", "num_speculative_tokens": 2}])
 def test_draft_model_method_and_model_go_together(config):

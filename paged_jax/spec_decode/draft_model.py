@@ -208,9 +208,13 @@ def draft_kv_bytes_per_token(config, dtype: str) -> int:
     of the pools costs that much more a token. 0 without a draft model."""
     if config is None or config.model is None:
         return 0
+    from paged_jax.errors import ModelLoadError
     from paged_jax.parallel.checkpoint import load_config_any
 
-    return load_config_any(config.model, dtype).kv_bytes_per_token
+    try:
+        return load_config_any(config.model, dtype).kv_bytes_per_token
+    except ModelLoadError as e:
+        raise ModelLoadError(f"speculative_config['model']: {e}") from e
 
 
 def _decode_only(out: "SchedulerOutput") -> bool:
