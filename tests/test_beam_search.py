@@ -52,6 +52,11 @@ def case(request, hf_model_dir):
     return path, hf, prompts, [eos, stop]
 
 
+# One pool size for the runs that need no memory pressure: a step shape compiled for one of them is
+# loaded from disk by the others (the compiled steps' key holds the pool size).
+AMPLE_BLOCKS = 1024
+
+
 def _params(width, early_stopping, length_penalty, eos_ids):
     return SamplingParams(n=width, best_of=width, use_beam_search=True, temperature=0,
                           early_stopping=early_stopping, length_penalty=length_penalty,
@@ -73,7 +78,7 @@ def test_beam_search_matches_hf(case):
     path, hf, prompts, eos_ids = case
     want = _expected(hf, prompts, eos_ids)
     assert any(len(b) < MAX_NEW for beams in want.values() for b in beams), "no hypothesis ended early"
-    llm = LLM(model=str(path), block_size=4, num_kv_blocks=512)
+    llm = LLM(model=str(path), block_size=4, num_kv_blocks=AMPLE_BLOCKS)
     got = _run(llm, prompts, eos_ids)
     for k in want:
         assert got[k] == want[k], f"prompt {k[0]}, (width, early_stopping, length_penalty)={k[1]}"
@@ -108,7 +113,7 @@ def test_beams_share_blocks(case):
     """Mid-search, the beams' tables hold fewer distinct blocks than their lengths need:
     the prompt and the common history are shared, diverged tails are owned."""
     path, _, prompts, eos_ids = case
-    llm = LLM(model=str(path), block_size=4, num_kv_blocks=256)
+    llm = LLM(model=str(path), block_size=4, num_kv_blocks=AMPLE_BLOCKS)
     engine, bm = llm.llm_engine, llm.llm_engine.block_manager
     p = SamplingParams(n=4, best_of=4, use_beam_search=True, temperature=0, max_tokens=6, ignore_eos=True)
     engine.add_request("b", None, p, prompt_token_ids=prompts[2])
@@ -134,7 +139,7 @@ def test_without_block_sharing_same_beams_more_blocks(case):
     want = _expected(hf, prompts[:2], eos_ids)
     peaks = {}
     for sharing in (True, False):
-        llm = LLM(model=str(path), block_size=4, num_kv_blocks=1024, enable_block_sharing=sharing)
+        llm = LLM(model=str(path), block_size=4, num_kv_blocks=AMPLE_BLOCKS, enable_block_sharing=sharing)
         engine = llm.llm_engine
         keys = [(i, s) for i in range(2) for s in SETTINGS]
         for j, (i, s) in enumerate(keys):
