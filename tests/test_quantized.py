@@ -24,6 +24,7 @@ from paged_jax import LLM, SamplingParams, native
 from paged_jax.errors import ModelLoadError
 from paged_jax.models.loader import load_model
 from paged_jax.weights.methods.compressed_tensors import _unpack_int32
+from paged_jax.weights.fused import unfused
 from paged_jax.weights.methods.on_load import quantize_weight
 from paged_jax.weights.quantized import pack_nibbles
 from paged_jax.weights import (DenseLinear, PanelInt8Linear, PanelQuantizedLinear, QuantizedLinear,
@@ -225,7 +226,7 @@ def test_logprobs_equal_a_numpy_dequantization_and_tokens_equal_transformers(ct_
     activations = next(iter(activations.values()))["input_activations"]
     llm, runs = _engine_logprobs(path, PROMPTS, block_size=8)
     assert [t[len(p):] for p, (t, _) in zip(PROMPTS, runs)] == _oracle_tokens(load_hf(path), PROMPTS)
-    linears = [v for lp in llm.llm_engine.runner.params["layers"] for v in lp.values() if hasattr(v, "__call__")]
+    linears = [v for lp in llm.llm_engine.runner.params["layers"] for v in unfused(lp).values() if hasattr(v, "__call__")]
     assert linears and all(isinstance(v, QUANTIZED) for v in linears)  # held quantized, not dequantized
     if scheme == "W4A16":
         assert all(_values(v).dtype == jnp.uint8 and v.bits == 4 for v in linears)
@@ -254,7 +255,7 @@ def test_asymmetric_int4_equals_a_numpy_dequantization(ct_dir):
     dequantization (tests/ct_numpy.py)."""
     path = ct_dir("llama_gqa", "W4A16_ASYM")
     llm, runs = _engine_logprobs(path, PROMPTS)
-    assert all(v.zero is not None for v in llm.llm_engine.runner.params["layers"][0].values()
+    assert all(v.zero is not None for v in unfused(llm.llm_engine.runner.params["layers"][0]).values()
                if isinstance(v, QuantizedLinear))
     errors = _logprob_errors(numpy_dequantized_model(path)[0], runs)
     assert errors.max() < LOGPROB_TOL, errors.max()
@@ -306,7 +307,7 @@ def test_w8a8_quantizes_activations_per_token_as_the_checkpoint_says(ct_dir):
     errs, errs_float_acts = [], []
     for name, (x, want) in seen.items():
         layer, key = int(name.split(".")[2]), short[name.split(".")[-1]]
-        linear = runner.params["layers"][layer][key]
+        linear = unfused(runner.params["layers"][layer])[key]
         assert isinstance(linear, PanelInt8Linear) if native_int8 else linear.act == "int8", (name, linear)
         float_acts = dataclasses.replace(params["layers"][layer][key], act=None)
         scale = np.abs(want).max()
@@ -381,7 +382,7 @@ def test_int8_on_load_keeps_the_default_models_greedy_tokens():
     prompts = ["def __init__(self, ", "import os\nimport sys\n", "    def close(self):\n"]
     _, want, want_lps = _run(None, None, prompts)
     llm, got, got_lps = _run(None, "int8", prompts)
-    linears = [v for lp in llm.llm_engine.runner.params["layers"] for v in lp.values() if hasattr(v, "__call__")]
+    linears = [v for lp in llm.llm_engine.runner.params["layers"] for v in unfused(lp).values() if hasattr(v, "__call__")]
     assert linears and all(isinstance(v, QUANTIZED) and _values(v).dtype == jnp.int8 for v in linears)
     assert got == want
     # The chosen tokens' logprobs move by about what rounding every layer moves them.

@@ -32,6 +32,7 @@ from paged_jax import LLM, SamplingParams
 from paged_jax.errors import ModelLoadError
 from paged_jax.models.loader import load_model
 from paged_jax.weights import PanelQuantizedLinear, QuantizedLinear
+from paged_jax.weights.fused import unfused
 
 FIXTURES = Path(__file__).parent / "fixtures" / "quantized"
 PROMPTS = [[1, 5, 9, 33, 77, 100, 200], [1, 40, 41, 42], [1, 300, 301, 302, 303, 304, 305, 306, 307]]
@@ -120,7 +121,7 @@ def test_native_cpu_matmul_takes_gptq_awq_and_fp8_with_zero_points_activation_or
     from paged_jax import native
 
     llm = LLM(str(FIXTURES / name), dtype="float32", max_model_len=128)
-    linears = [v for lp in llm.llm_engine.runner.params["layers"] for v in lp.values() if hasattr(v, "__call__")]
+    linears = [v for lp in llm.llm_engine.runner.params["layers"] for v in unfused(lp).values() if hasattr(v, "__call__")]
     assert all(isinstance(v, PanelQuantizedLinear) for v in linears) == native.available()
     _, _, has_zero, has_g_idx = EXPECTED[name]
     if native.available():

@@ -147,6 +147,18 @@ def fuse_inputs(params, groups=FUSED_GROUPS):
     return params
 
 
+def unfused(lp: dict) -> dict:
+    """A layer's weights with each fused group's parts under their own names again (views of the
+    fused arrays), for code that inspects the weights one by one."""
+    out = {}
+    for key, value in lp.items():
+        if isinstance(value, FusedLinear):
+            out.update(zip(key.split("+"), value.parts()))
+        else:
+            out[key] = value
+    return out
+
+
 def project(x, lp: dict, *names):
     """``tuple(lp[n](x) for n in names)``, in one call where loading fused them (``lp["q+k+v"]``)."""
     fused = lp.get(fused_key(names))
