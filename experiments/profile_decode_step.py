@@ -1,23 +1,27 @@
 """Where the jitted decode step's time goes, at batch 1 and 4, per weight format.
 
     python experiments/profile_decode_step.py [--formats float32,int8,int4] [--batches 1,4] [--calls 300]
-                                              [--trace] [--hlo DIR]
+        [--variants unfused,fused] [--trace] [--hlo DIR] [--per-call] [--build=FLAGS --build=FLAGS ...]
 
 Builds ``bench_llamacpp.py``'s LLaMA (512 wide, 8 layers, intermediate 1,408, vocabulary 704,
 random float32) once, loads it as float32 and with ``quantization="int8"`` and ``"int4"``
-(``LLM`` with default options: the native kernels where they build), and for each format and
-batch size runs the jitted step alone on a decode batch (every sequence one token at context
-``--context``, as ``bench_small_batch.py`` builds it):
+(``LLM`` with default options: the native kernels where they build), each way with Q, K, V and
+gate, up left apart (``unfused``) and fused as loading stores them (``fused``,
+:mod:`paged_jax.weights.fused`), and for each format and batch size runs the jitted step alone
+on a decode batch (every sequence one token at context ``--context``, as ``bench_small_batch.py``
+builds it):
 
-- *step*: ``ModelRunner.run_batch`` waited for, the best and the median of ``--calls`` calls;
-- *dispatch*: the same compiled step called on its arguments flattened up front (no pytree
-  walk), waited for: what the step costs without the host's argument handling;
+- *step*: ``ModelRunner.run_batch`` waited for, the best and the median of ``--calls`` calls, the
+  variants alternating in ``--rounds`` rounds (their ratio is the figure to read on a shared
+  machine); beside it the process's CPU time and context switches a step, and a jitted step that
+  computes nothing on the same arguments (the host's share of a call);
 - *census*: the compiled step's entry computation, its operations by kind (each is one XLA:CPU
   thunk: the native kernels' custom calls by target, fusions, scatters, copies, ...);
-- with ``--trace``: ``jax.profiler``'s per-operation times over ``--calls`` calls (XLA:CPU's
-  thunks as the profiler records them), summed per step and grouped, the largest first, beside
-  the executable's whole span; the per-op sums say how much of the step the kernels are and how
-  much lies between them.
+- ``--trace``: ``jax.profiler``'s per-operation times (XLA:CPU's thunks as the profiler records
+  them), summed per step by kind, custom calls by target, the largest first;
+- ``--per-call``: one kernel call at one row, from chains of dependent calls in one function;
+- ``--build=FLAGS`` (twice or more): the same in child processes, one native build each
+  (``PAGED_JAX_NATIVE_FLAGS``; ``--build=`` the default), alternating ``--repeats`` times.
 
 ``--hlo DIR`` writes each step's optimized HLO there. Timings on a shared machine vary: compare
 figures of one run.
