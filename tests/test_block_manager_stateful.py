@@ -309,7 +309,11 @@ class BlockManagerMachine(RuleBasedStateMachine):
                 assert len(table) <= -(-seq.get_len() // BS)  # waste under one block
                 if self.budget and window is not None:  # a prompt's blocks chunk by chunk: none past the step's
                     assert len(table) <= -(-min(seq.get_len(), seq.num_computed_tokens + self.budget) // BS)
-                    assert len(table) - freed <= -(-(window + self.budget + BS - 1) // BS)  # the window's and a chunk's
+                    # The window's blocks and a chunk's. A prefix hit's blocks that the window has already
+                    # passed stay in the table from admission until the sequence's next growth frees them.
+                    first_query = min(seq.num_computed_tokens, seq.get_len() - 1)
+                    passed = max(freed, max(0, first_query - window + 1) // BS)
+                    assert len(table) - passed <= -(-(window + self.budget + BS - 1) // BS)
                 if device is Device.GPU:
                     assert table[:freed] == [NULL_BLOCK] * freed
                 # Only blocks no token still to compute can see are freed.
