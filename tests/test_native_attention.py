@@ -158,8 +158,8 @@ def test_engine_greedy_tokens_same_with_and_without_native(tiny_llama_dir, monke
     from paged_jax import LLM, SamplingParams
 
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, 200, int(n)).tolist() for n in rng.integers(2, 40, 12)]
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    prompts = [rng.integers(3, 200, int(n)).tolist() for n in rng.integers(2, 40, 6)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
 
     def run(**kw):
         llm = LLM(str(tiny_llama_dir), num_kv_blocks=64, block_size=4, seed=0, **kw)

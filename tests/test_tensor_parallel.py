@@ -59,12 +59,7 @@ def tp_runs(hf_model_dir, tmp_path_factory):
 
     ckpt = tmp_path_factory.mktemp("ckpt") / "llama_gqa"
     assert main(["convert", "--model", str(hf_model_dir("llama_gqa")), "--out", str(ckpt)]) == 0
-    jobs = {}
-    for variant in ("llama_gqa", "opt_pre"):
-        path = hf_model_dir(variant)
-        jobs[(variant, 1)] = job(path, 1, **AMPLE)
-        jobs[(variant, 2)] = job(path, 2, preemption_mode="swap", **TIGHT)
-        jobs[(variant, 4)] = job(path, 4, preemption_mode="recompute", **TIGHT)
+    jobs = variant_jobs(hf_model_dir, "llama_gqa")
     jobs[("orbax", 2)] = job(ckpt, 2, **AMPLE)
     # Parallel samples share the prompt's blocks and copy the last one when they diverge (copy-on-write).
     shared = dict(prompts=PROMPTS[:4], max_tokens=8, sampling=SHARED_SAMPLING, enable_prefix_caching=True, **AMPLE)
@@ -76,21 +71,42 @@ def tp_runs(hf_model_dir, tmp_path_factory):
     return dict(zip(jobs, results)), ckpt
 
 
-@pytest.mark.parametrize("variant", ["llama_gqa", "opt_pre"])
+def variant_jobs(hf_model_dir, variant) -> dict:
+    """tp=1 (the oracle), tp=2 under swap and tp=4 under recompute preemption."""
+    path = hf_model_dir(variant)
+    return {(variant, 1): job(path, 1, **AMPLE), (variant, 2): job(path, 2, preemption_mode="swap", **TIGHT),
+            (variant, 4): job(path, 4, preemption_mode="recompute", **TIGHT)}
+
+
+@pytest.fixture(scope="module")
+def tp_runs_opt(hf_model_dir, tmp_path_factory):
+    """OPT's runs (slow tests only: the default set's LLaMA runs cover the same code)."""
+    jobs = variant_jobs(hf_model_dir, "opt_pre")
+    return dict(zip(jobs, run_worker(tmp_path_factory.mktemp("tp_opt"), list(jobs.values()))))
+
+
+VARIANTS = ["llama_gqa", pytest.param("opt_pre", marks=pytest.mark.slow)]
+
+
+def runs_of(variant, request) -> dict:
+    return request.getfixturevalue("tp_runs")[0] if variant == "llama_gqa" else request.getfixturevalue("tp_runs_opt")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("tp, mode", [(2, "swap"), (4, "recompute")])
-def test_tp_greedy_matches_tp1_under_preemption(tp_runs, variant, tp, mode):
-    runs, _ = tp_runs
+def test_tp_greedy_matches_tp1_under_preemption(request, variant, tp, mode):
+    runs = runs_of(variant, request)
     got = runs[(variant, tp)]
     assert got["preemptions"][mode] > 0, got["preemptions"]
     assert_same_outputs(got, runs[(variant, 1)], f"{variant} tp={tp}")
 
 
-@pytest.mark.parametrize("variant", ["llama_gqa", "opt_pre"])
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("tp", [2, 4])
-def test_params_and_kv_cache_are_split(tp_runs, variant, tp):
+def test_params_and_kv_cache_are_split(request, variant, tp):
     """Each device holds its fraction: columns of Q/up/fc1, rows of O/down/fc2, the vocabulary
     of the embedding, and its KV heads of the cache (read after swaps and copies)."""
-    runs, _ = tp_runs
+    runs = runs_of(variant, request)
     full, got = runs[(variant, 1)]["shards"], runs[(variant, tp)]["shards"]
     for name, shards in full.items():
         assert len(shards) == 1
@@ -109,13 +125,13 @@ def test_params_and_kv_cache_are_split(tp_runs, variant, tp):
     assert got["kv_cache"] == [[TIGHT["num_kv_blocks"], bs, kv_heads // tp, d]] * tp
 
 
-@pytest.mark.parametrize("variant", ["llama_gqa", "opt_pre"])
-def test_step_communicates_like_megatron(tp_runs, variant):
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_step_communicates_like_megatron(request, variant):
     """XLA partitions the step without gathering weights: all-reduces (after the row-parallel
     layers and the vocab-split embedding) and one all-gather of the vocab-split logits; the greedy
     tokens the step returns are reduced over the vocabulary shards where they lie (each shard's
     maximum and its index gathered, the log-sum-exp of the greedy logprob all-reduced: [rows] each)."""
-    coll = tp_runs[0][(variant, 2)]["collectives"]
+    coll = runs_of(variant, request)[(variant, 2)]["collectives"]
     assert set(coll) <= {"all-reduce", "all-gather"}, coll
     reduces = [s.split("{")[0] for s in coll["all-reduce"]]
     assert reduces.count("f32[2]") <= 1, coll  # the greedy logprob's log-sum-exp, [rows]
