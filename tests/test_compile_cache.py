@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 SCRIPT = r"""
@@ -34,6 +36,7 @@ print(json.dumps({"tokens": [o.outputs[0].token_ids for o in outs], "native": na
 """
 
 
+@pytest.mark.slow  # 10 s; the executable cache (test_executable_cache.py) is what a second start loads first
 def test_second_start_loads_programs_from_the_cache(tiny_llama_dir, tmp_path):
     # JAX's cache alone: compiled steps on disk (tests/test_executable_cache.py) would skip it.
     env = dict(os.environ, PAGED_JAX_COMPILE_CACHE=str(tmp_path / "cache"), JAX_PLATFORMS="cpu",

@@ -77,6 +77,7 @@ def test_second_process_loads_the_steps_and_traces_none(tiny_llama_dir, tmp_path
     assert warm["native"] == native.available()
 
 
+@pytest.mark.slow  # 10 s; the default set's second-process test covers the cache's loading
 def test_a_process_with_several_devices_loads_single_device_steps(tiny_llama_dir, tmp_path):
     """A tensor-parallel size of 1 in a process that sees several devices: the loaded program runs
     on the default device, as it was compiled (left to itself it wanted a shard per device)."""

@@ -108,6 +108,7 @@ def test_outputs_equal_the_same_engine_with_speculation_set_aside():
         engine.add_request("beam", PROMPTS[0], SamplingParams(use_beam_search=True, best_of=2, temperature=0))
 
 
+@pytest.mark.slow  # 6 s; test_gpu.py's speculative case runs the same tiles in interpret mode in CI's 3.12 stage
 def test_pallas_scores_a_rows_drafts_as_one_query_tile():
     """The Pallas kernels (interpret mode on the CPU) score a row's pending token and its drafts as one
     query tile of the prefill kernel, causal within the tile: plain decoding's greedy tokens and their
