@@ -177,13 +177,19 @@ def run_paged_jax(llm, a, requests: list[Request]) -> dict:
 
 
 # ---- Hugging Face ------------------------------------------------------------
-def load_hf(model: str):
+def load_hf(model: str, dtype: str = "auto"):
+    """The Hugging Face model on torch's GPU where it has one (the paper's baseline runs there), else
+    on the CPU; ``dtype`` as paged-jax's ``--dtype`` ("auto": float32, what paged-jax gives a random
+    float32 checkpoint), so both engines run the same precision."""
     try:
         import torch
         from transformers import AutoModelForCausalLM
     except ImportError as e:  # torch is a test-only dependency
         raise SystemExit(f"the hf backend needs torch: pip install torch==2.13.0 ({e})")
-    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    torch_dtype = torch.float32 if dtype == "auto" else getattr(torch, dtype)
+    m = AutoModelForCausalLM.from_pretrained(model, dtype=torch_dtype)
+    if torch.cuda.is_available():
+        m = m.to("cuda")
     m.eval()
     return m
 
@@ -212,8 +218,11 @@ def run_hf(model, a, requests: list[Request], batch_size: int = 1) -> dict:
                 kw = dict(do_sample=False)
             else:
                 kw = dict(do_sample=True, temperature=a.temperature, top_p=1.0, top_k=0, num_return_sequences=a.n)
+            ids, mask = ids.to(model.device), mask.to(model.device)
             model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=out_len, min_new_tokens=out_len,
                            pad_token_id=pad, **kw)
+            if ids.is_cuda:
+                torch.cuda.synchronize()
             latencies += [time.perf_counter() - t0] * len(batch)
     return {"elapsed": time.perf_counter() - t0, "latencies": latencies}
 

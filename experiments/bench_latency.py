@@ -46,7 +46,7 @@ def main(argv=None):
     requests = make_requests(a, vocab)
     print(describe_requests(requests))
     if a.backend == "hf":
-        hf = load_hf(model)
+        hf = load_hf(model, a.dtype)
         run = lambda: run_hf(hf, a, requests, len(requests))  # noqa: E731
     else:
         llm = make_llm(a, model, max(max_len(requests), a.max_total_len if a.dataset else 0),

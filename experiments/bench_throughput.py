@@ -45,7 +45,7 @@ def compare(a, model: str, requests) -> dict:
     print(describe_requests(requests))
     print(f"torch {torch.__version__} with {torch.get_num_threads()} threads; max_model_len {mml}")
     rows = {}
-    hf = load_hf(model)
+    hf = load_hf(model, a.dtype)
     sub = requests[: a.hf_sequential_prompts]
     r = run_hf(hf, a, sub, 1)
     rows["HF generate, one request at a time"] = summarize(sub, r, a.n)
@@ -128,7 +128,7 @@ def main(argv=None):
                   f"{out['default', run]['tokens_per_s'] / out['off', run]['tokens_per_s']:.2f}x tokens/s")
         out = {f"{c} {r}": v for (c, r), v in out.items()}
     elif a.backend == "hf":
-        hf = load_hf(model)
+        hf = load_hf(model, a.dtype)
         out = summarize(requests, run_hf(hf, a, requests, a.hf_max_batch_size or 1), a.n)
         print(describe_requests(requests))
         print(format_summary(f"hf (batch {a.hf_max_batch_size or 1})", out))
