@@ -13,6 +13,9 @@ engine's step donates them), jitted, the best of ``--repeats`` timings of 10 cal
 - *one block at N*: 16 decodes (contexts of 300) beside a one-block chunk ending at an N-token
   context (``--block-chunk-contexts``): the smallest chunk a latency target runs late in a long prompt.
 
+Also printed: the first path's GFLOP/s (4 FLOP per query, key and head dimension) and K/V GB/s (each
+row's context read once).
+
 Paths: ``native`` (the ``"auto"`` choice on a CPU: the ragged kernel takes the whole step),
 ``tiles`` (the native decode kernel plus the query tiles through the reference's blockwise jnp
 prefill: what ``"auto"`` ran before the kernel took whole steps) and ``reference`` (plain jnp).
@@ -79,11 +82,16 @@ def main(argv=None):
     backends = {name: backends[name] for name in a.backends}
     print(f"one layer: {H} heads ({KVH} KV heads) of {D}, blocks of {bs}, float32; ms per call, best of "
           f"{a.repeats} x 10 calls")
-    print("| step | " + " | ".join(backends) + " | tiles / native |")
-    print("|---|" + "---:|" * (len(backends) + 1))
+    print("| step | " + " | ".join(backends) + " | tiles / native | GFLOP/s | K/V GB/s |")
+    print("|---|" + "---:|" * (len(backends) + 3))
     for name, kinds in steps.items():
         batch, nb = step(kinds)
         T = batch.input_ids.shape[0]
+        # The step's work, for the rates of the first path: 4 FLOP per query, key and head dimension
+        # (QK^T and PV; each query over its causal keys) and the K and V bytes of every row's context
+        # read once (a kernel reading the context once per tile of queries reads a long chunk's more often).
+        flop = sum(4 * H * D * (n * (ctx - n) + n * (n + 1) // 2) for n, ctx in kinds)
+        kv_bytes = sum(2 * ctx * KVH * D * 4 for _, ctx in kinds)
         q = jnp.asarray(rng.standard_normal((T, H, D)), jnp.float32)
         kv = jnp.asarray(rng.standard_normal((T, KVH, D)), jnp.float32)
         cache = jnp.asarray(rng.standard_normal((nb + 4, bs, KVH, D)), jnp.float32)
@@ -106,7 +114,8 @@ def main(argv=None):
                 best = min(best, (time.perf_counter() - t) / 10 * 1e3)
             ms[bname] = best
         print(f"| {name} (T={T}) | " + " | ".join(f"{v:.2f}" for v in ms.values()) +
-              (f" | {ms['tiles'] / ms['native']:.2f}x |" if {"tiles", "native"} <= ms.keys() else " | - |"))
+              (f" | {ms['tiles'] / ms['native']:.2f}x |" if {"tiles", "native"} <= ms.keys() else " | - |") +
+              f" {flop / next(iter(ms.values())) / 1e6:.0f} | {kv_bytes / next(iter(ms.values())) / 1e6:.1f} |")
 
 
 if __name__ == "__main__":
