@@ -60,11 +60,26 @@ struct QuantizedRows {
   int64_t K;
 };
 
+// Every path quantizes the same: the largest magnitude, one float32 product per value, rounded to
+// nearest even (the AVX-512 one two vectors a block: this runs on one thread before the matmul's
+// threads start).
 void QuantizeRows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, int32_t* s) {
   const int64_t B = K / kBlock;
   for (int64_t r = 0; r < M; ++r) {
     for (int64_t b = 0; b < B; ++b) {
       const float* xb = x + r * K + b * kBlock;
+#if defined(PAGED_JAX_VNNI)
+      const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
+      // max(|x|, m) keeps m where x is NaN, as the serial loop's std::max does
+      const __m512 m = _mm512_max_ps(_mm512_abs_ps(x1), _mm512_max_ps(_mm512_abs_ps(x0), _mm512_setzero_ps()));
+      const float scale = _mm512_reduce_max_ps(m) / 127.0f;
+      const __m512 inv = _mm512_set1_ps(scale != 0 ? 1.0f / scale : 0.0f);
+      const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r * K + b * kBlock), _mm512_cvtepi32_epi8(q0));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + r * K + b * kBlock + 16), _mm512_cvtepi32_epi8(q1));
+      d[r * B + b] = scale;
+      s[r * B + b] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+#else
       float amax = 0;
       for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(xb[i]));
       const float scale = amax / 127.0f;
@@ -77,6 +92,7 @@ void QuantizeRows(const float* x, int64_t M, int64_t K, int8_t* q, float* d, int
       }
       d[r * B + b] = scale;
       s[r * B + b] = sum;
+#endif
     }
   }
 }
@@ -99,9 +115,11 @@ inline void Tile(const QuantizedRows& a, int64_t row, const uint8_t* panel, cons
   for (int r = 0; r < R; ++r)
     for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t b = 0; b < B; ++b) {
-    __m512i isum[R][V];
+    // low and high nibbles' sums apart: two dependency chains of vpdpbusd, not one twice as long
+    // (at one or two rows the chain's latency, not the loads, set the pace); integer sums, exact
+    __m512i isum[R][V], hsum[R][V];
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < V; ++v) isum[r][v] = _mm512_setzero_si512();
+      for (int v = 0; v < V; ++v) isum[r][v] = hsum[r][v] = _mm512_setzero_si512();
     for (int64_t k8 = 4 * b; k8 < 4 * b + 4; ++k8) {
       const uint8_t* p = panel + k8 * W * 4 + 4 * c0;
       if (prefetch)
@@ -115,8 +133,10 @@ inline void Tile(const QuantizedRows& a, int64_t row, const uint8_t* panel, cons
       for (int r = 0; r < R; ++r) {
         const int8_t* xr = a.q + (row + r) * K + 8 * k8;
         const __m512i xl = _mm512_set1_epi32(Quad(xr)), xh = _mm512_set1_epi32(Quad(xr + 4));
-        for (int v = 0; v < V; ++v)
-          isum[r][v] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[r][v], lo[v], xl), hi[v], xh);
+        for (int v = 0; v < V; ++v) {
+          isum[r][v] = _mm512_dpbusd_epi32(isum[r][v], lo[v], xl);
+          hsum[r][v] = _mm512_dpbusd_epi32(hsum[r][v], hi[v], xh);
+        }
       }
     }
     const float* sc = scales + (b * kBlock / group) * W + c0;
@@ -124,7 +144,7 @@ inline void Tile(const QuantizedRows& a, int64_t row, const uint8_t* panel, cons
       const __m512i off = _mm512_set1_epi32(8 * a.s[(row + r) * B + b]);
       const __m512 d = _mm512_set1_ps(a.d[(row + r) * B + b]);
       for (int v = 0; v < V; ++v)
-        acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(isum[r][v], off)),
+        acc[r][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_add_epi32(isum[r][v], hsum[r][v]), off)),
                                     _mm512_mul_ps(d, _mm512_loadu_ps(sc + 16 * v)), acc[r][v]);
     }
   }
