@@ -1,7 +1,7 @@
 """Where the jitted decode step's time goes, at batch 1 and 4, per weight format.
 
     python experiments/profile_decode_step.py [--formats float32,int8,int4] [--batches 1,4] [--calls 300]
-        [--variants unfused,fused] [--trace] [--hlo DIR] [--per-call] [--build=FLAGS --build=FLAGS ...]
+        [--host-us 500] [--variants unfused,fused] [--trace] [--hlo DIR] [--per-call] [--build=FLAGS --build=FLAGS ...]
 
 Builds ``bench_llamacpp.py``'s LLaMA (512 wide, 8 layers, intermediate 1,408, vocabulary 704,
 random float32) once, loads it as float32 and with ``quantization="int8"`` and ``"int4"``
@@ -19,6 +19,9 @@ builds it):
   thunk: the native kernels' custom calls by target, fusions, scatters, copies, ...);
 - ``--trace``: ``jax.profiler``'s per-operation times (XLA:CPU's thunks as the profiler records
   them), summed per step by kind, custom calls by target, the largest first;
+- ``--host-us``: a busy wait of so many microseconds before each step, as the engine's host work
+  between steps (sampling, scheduling, the next batch) leaves one: steps timed back to back miss
+  what that wait costs the next step, and what the matmuls prefetch during it;
 - ``--per-call``: one kernel call at one row, from chains of dependent calls in one function;
 - ``--build=FLAGS`` (twice or more): the same in child processes, one native build each
   (``PAGED_JAX_NATIVE_FLAGS``; ``--build=`` the default), alternating ``--repeats`` times.
@@ -54,12 +57,16 @@ def decode_batch(runner, batch: int, context: int):
     return prepare_batch(chunks, runner.block_size)
 
 
-def timed(fn, calls: int) -> list[float]:
+def timed(fn, calls: int, host_us: float = 0) -> list[float]:
+    """Microseconds of each of ``calls`` calls of ``fn`` waited for, each after ``host_us`` of busy waiting."""
     import jax
 
     jax.block_until_ready(fn())
     out = []
     for _ in range(calls):
+        end = time.perf_counter() + host_us / 1e6
+        while time.perf_counter() < end:  # the engine's host work between steps (a busy main thread)
+            pass
         t = time.perf_counter()
         jax.block_until_ready(fn())
         out.append(1e6 * (time.perf_counter() - t))
@@ -220,6 +227,8 @@ def main(argv=None):
     ap.add_argument("--batches", type=lambda s: [int(x) for x in s.split(",")], default=[1, 4])
     ap.add_argument("--context", type=int, default=96)
     ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--host-us", type=float, default=0,
+                    help="busy-wait so many microseconds before each step (the engine's host work between steps)")
     ap.add_argument("--trace", action="store_true", help="also jax.profiler's per-operation times")
     ap.add_argument("--top", type=int, default=25, help="trace: the largest so many event names")
     ap.add_argument("--hlo", help="write each step's optimized HLO into this folder")
@@ -279,7 +288,7 @@ def main(argv=None):
                 for _ in range(a.rounds):
                     for v, r in runners.items():
                         before = rusage()
-                        steps[v] += timed(lambda: r.run_batch(batches[v]), max(1, a.calls // a.rounds))
+                        steps[v] += timed(lambda: r.run_batch(batches[v]), max(1, a.calls // a.rounds), a.host_us)
                         usage[v] += rusage() - before
                 for v, r in runners.items():
                     batch = batches[v]
