@@ -668,7 +668,9 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64_
   const int64_t CK = KeysPerChunk(BS), nl = (CK + kLanes - 1) / kLanes * kLanes;  // scores per row, whole vectors
   const bool transpose = G * n >= kMinTransposeRows;
 #if defined(PAGED_JAX_ATTENTION_TILES)
-  if (transpose) return AttendTiles<kD>(p, s, i0, n, kh0, nkh, scratch);
+  // At least half a vector of rows (fewer, as a speculative tile of 4 queries: transposed keys, which
+  // do not compute the empty lanes)
+  if (G * n >= Vec::W / 2) return AttendTiles<kD>(p, s, i0, n, kh0, nkh, scratch);
 #endif
   scratch.resize(nh * nl + 2 * nh + 2 * nh * D + D * nl + CK * D + D);
   float* sc = scratch.data();  // [H, n, nl] this chunk's scores, then weights
