@@ -10,6 +10,8 @@
 #   throughput   a short ShareGPT-like throughput run with --attention-backend pallas
 #   hf-throughput the same requests through Hugging Face generate on torch's GPU (static batches of 32,
 #                bfloat16): the paper's baseline beside the line above
+#   profile-step where a step's time goes (profile_gpu_step.py): the engine's split, the bytes copied
+#                each way, the trace's device kernels and host events per kind, greedy and sampled
 # With no GPU every step still runs, on the CPU and small (the GPU tests only collected), and the
 # report says "skipped: no GPU" beside each GPU figure: the script is tested before a GPU sees it
 # (tests/test_gpu_check.py). Writes $OUT/gpu_report.md (first, and after every step) and
@@ -89,6 +91,9 @@ if [ "$GPU" = 1 ]; then
        --max-num-seqs 32 --attention-backend pallas --dtype bfloat16
   step hf-throughput 90 "$PY" experiments/bench_throughput.py --backend hf --hf-max-batch-size 32 --dataset sharegpt-like \
        --num-prompts 128 --max-total-len 256 --dtype bfloat16
+  # The throughput step's shapes (compiled programs cached): what is left of the budget, at most 90 s.
+  step profile-step 90 "$PY" experiments/profile_gpu_step.py --num-prompts 64 --max-num-seqs 32 --max-total-len 256 \
+       --dtype bfloat16 --attention-backend pallas
 else
   skipped nvidia-smi
   skipped gpu-tests
@@ -105,6 +110,9 @@ else
   skipped hf-throughput
   step hf-throughput-cpu 60 "$PY" experiments/bench_throughput.py --model paged_jax/models/data/default-model --backend hf \
        --hf-max-batch-size 4 --dataset sharegpt-like --num-prompts 4 --max-total-len 64 --dtype bfloat16
+  skipped profile-step
+  step profile-step-cpu 150 "$PY" experiments/profile_gpu_step.py --model paged_jax/models/data/default-model \
+       --num-prompts 8 --max-num-seqs 4 --max-total-len 64 --dtype float32 --top 8
 fi
 
 [ "$FAILED" = 0 ] && RESULT="all steps passed" || RESULT="FAILED: see the steps above"

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-GPU_STEPS = ["nvidia-smi", "gpu-tests", "bench-kernel", "engine", "throughput", "hf-throughput"]
+GPU_STEPS = ["nvidia-smi", "gpu-tests", "bench-kernel", "engine", "throughput", "hf-throughput", "profile-step"]
 # What the GPU machine lacks (DESIGN.md, "The GPU machine"); the dry run makes them unimportable.
 NOT_ON_THE_GPU_MACHINE = ("fastapi", "uvicorn", "starlette", "openai", "compressed_tensors", "nbformat", "nbclient",
                           "ipykernel")
@@ -43,9 +43,13 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     assert len(files) <= 8 and (out / "gpu_report.md") in files, files
     for name in GPU_STEPS:
         assert f"## {name}: skipped: no GPU" in report
-    for name in ["versions", "gpu-tests-collect", "bench-kernel-cpu", "engine-cpu", "throughput-cpu", "hf-throughput-cpu"]:
+    for name in ["versions", "gpu-tests-collect", "bench-kernel-cpu", "engine-cpu", "throughput-cpu", "hf-throughput-cpu",
+                 "profile-step-cpu"]:
         assert f"## {name} (exit 0, " in report
     assert "greedy equal to reference float32: 4/4 requests" in report
+    # profile_gpu_step.py: the greedy batches take the step's argmax, the sampled ones the sampler's call
+    assert "the sampler's own call in 0.00 of a step's batches" in report
+    assert "the sampler's own call in 1.00 of a step's batches" in report
     assert report.rstrip().splitlines()[-1].startswith("**all steps passed**")
     assert "== engine-cpu" in (out / "gpu_check.log").read_text()  # the whole output, beside the report
     assert (tmp_path / "home").is_dir()
