@@ -60,7 +60,9 @@ def tp_runs(hf_model_dir, tmp_path_factory):
     ckpt = tmp_path_factory.mktemp("ckpt") / "llama_gqa"
     assert main(["convert", "--model", str(hf_model_dir("llama_gqa")), "--out", str(ckpt)]) == 0
     jobs = variant_jobs(hf_model_dir, "llama_gqa")
-    jobs[("orbax", 2)] = job(ckpt, 2, **AMPLE)
+    # tp=2 reads the orbax checkpoint (sharded as it loads) where tp=4 and the shared-prefix runs read
+    # the Hugging Face folder: one run covers both the swap preemption and the orbax round trip.
+    jobs[("llama_gqa", 2)]["model"] = str(ckpt)
     # Parallel samples share the prompt's blocks and copy the last one when they diverge (copy-on-write).
     shared = dict(prompts=PROMPTS[:4], max_tokens=8, sampling=SHARED_SAMPLING, enable_prefix_caching=True, **AMPLE)
     for tp in (1, 2):
@@ -182,7 +184,7 @@ def test_orbax_checkpoint_round_trip_loads_sharded(tp_runs):
     runs, ckpt = tp_runs
     assert (ckpt / "paged_jax_checkpoint.json").is_file() and (ckpt / "params").is_dir()
     assert not list(ckpt.glob("*.safetensors"))  # the weights come from orbax, not from a copied file
-    got = runs[("orbax", 2)]
+    got = runs[("llama_gqa", 2)]  # the tp=2 run under swap preemption loaded this checkpoint
     assert got["shards"]["q.w"] == [[64, 32], [64, 32]]
     assert_same_outputs(got, runs[("llama_gqa", 1)], "orbax tp=2")
 
