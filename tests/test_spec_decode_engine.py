@@ -108,6 +108,38 @@ def test_outputs_equal_the_same_engine_with_speculation_set_aside():
         engine.add_request("beam", PROMPTS[0], SamplingParams(use_beam_search=True, best_of=2, temperature=0))
 
 
+@pytest.mark.slow  # 90 s (warm-up); test_draft_rows.py checks the verification step's shape in the default set
+def test_a_verification_step_of_many_drafted_rows_is_one_forward_pass():
+    """Seven rows drafting at once (k = 4, native's query tiles: 35 tokens, 7 tiles, more than a
+    prefill step's tile capacity of 4 at that token bucket) verify in one forward pass, not two, with
+    plain decoding's greedy tokens."""
+    llm = LLM(num_kv_blocks=64, max_model_len=128, speculative_config=SPEC)
+    engine, runner = llm.llm_engine, llm.llm_engine.runner
+    assert not runner.drafts_as_rows
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    prompts = PROMPTS + [p + "    x = 1\n" for p in PROMPTS[:3]]
+    decoder, engine.spec_decoder = engine.spec_decoder, None
+    expected = llm.generate(prompts, params, use_tqdm=False)
+    engine.spec_decoder = decoder
+    passes, drafted = [], []  # per executed step: forward passes, rows with drafts
+    execute, run_step = runner.execute, runner.run_step
+
+    def counting_execute(out, sampling, *args):
+        passes.append(0)
+        drafted.append(sum(bool(s.num_speculative_tokens) for s in sampling))
+        return execute(out, sampling, *args)
+
+    def counting_run_step(*args, **kwargs):
+        passes[-1] += 1
+        return run_step(*args, **kwargs)
+
+    runner.execute, runner.run_step = counting_execute, counting_run_step
+    got = llm.generate(prompts, params, use_tqdm=False)
+    _check_same(expected, got)
+    assert max(drafted) >= 5, drafted
+    assert [n for n, d in zip(passes, drafted) if d] == [1] * sum(map(bool, drafted)), list(zip(passes, drafted))
+
+
 @pytest.mark.slow  # 6 s; test_gpu.py's speculative case runs the same tiles in interpret mode in CI's 3.12 stage
 def test_pallas_scores_a_rows_drafts_as_one_query_tile():
     """The Pallas kernels (interpret mode on the CPU) score a row's pending token and its drafts as one

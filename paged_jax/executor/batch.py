@@ -116,11 +116,12 @@ def split_steps(chunks: list[SeqChunk], tile_size: int = TILE_SIZE, min_tokens: 
 
 
 def prepare_batch(chunks: list[SeqChunk], block_size: int, min_tokens: int = 8, min_blocks: int = 4,
-                  tile_size: int = TILE_SIZE, decode_path: bool = True) -> Batch:
+                  tile_size: int = TILE_SIZE, decode_path: bool = True, capacity=tile_capacity) -> Batch:
     """Pad ``chunks`` into one ragged, token-flat batch. The token, sequence and block-table
     dimensions are each rounded up to a power of two (:func:`step_buckets`); the query tiles
     are :func:`tile_capacity` of the token bucket (more if the chunks need more: :func:`split_steps`
-    keeps to the capacity), or none in a decode step. ``decode_path``: a decode step with one layer
+    keeps to the capacity), or none in a decode step; ``capacity(T, tile_size)`` gives that number
+    (:func:`paged_jax.executor.draft_rows.verification_tiles` for a verification step). ``decode_path``: a decode step with one layer
     group takes :func:`_decode_batch` (False: the general path, which gives the same arrays)."""
     S = len(chunks)
     T = sum(len(c.token_ids) for c in chunks)
@@ -135,7 +136,7 @@ def prepare_batch(chunks: list[SeqChunk], block_size: int, min_tokens: int = 8, 
         return _decode_batch(chunks, block_size, Sp, Bp, tile_size)
     need = sum(num_tiles(len(c.token_ids), tile_size) for c in chunks)
     # More tiles than the token bucket holds (chunks not grouped by split_steps): a shape of its own.
-    Np = tile_capacity(Tp, tile_size) if need else 0
+    Np = capacity(Tp, tile_size) if need else 0
     if need > Np:
         Np = bucket(need)
 

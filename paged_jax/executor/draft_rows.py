@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Sequence
 
-from paged_jax.executor.batch import SeqChunk
+from paged_jax.attention.metadata import TILE_SIZE
+from paged_jax.executor.batch import SeqChunk, tile_capacity
 
 if TYPE_CHECKING:
     from paged_jax.executor.interface import RowSampling
@@ -19,6 +20,16 @@ def drafts_as_rows(backend) -> bool:
     a tile to 256 queries, and a tile of 5 tokens cost it 10-20x a decode step against 2-4x for the
     rows (README, Speculative decoding)."""
     return not getattr(backend, "verifies_in_tiles", False)
+
+
+def verification_tiles(num_tokens_bucket: int, tile_size: int = TILE_SIZE) -> int:
+    """Query tiles of a step whose drafts run as tiles: room for every chunk of the step to have its
+    own (a chunk of n >= 2 tokens needs ceil(n / tile_size) <= n / 2 of them, so half the token bucket
+    holds any step's), so that a verification step is one forward pass whatever its number of drafted
+    rows (a prefill step's :func:`~paged_jax.executor.batch.tile_capacity`, at least 4, had split 5 or
+    more drafted rows into two). Only the tiles' metadata grows: native ignores them, and Pallas skips
+    a tile's padded queries."""
+    return max(tile_capacity(num_tokens_bucket, tile_size), num_tokens_bucket // 2)
 
 
 def verification_chunks(out: SchedulerOutput, sampling: Sequence[RowSampling],

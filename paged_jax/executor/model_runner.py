@@ -20,8 +20,8 @@ import numpy as np
 from paged_jax import envs
 from paged_jax.attention import AUTO, kv_quant, select_backend
 from paged_jax.executor import executable_cache
-from paged_jax.executor.batch import Batch, prepare_batch, split_steps, warmup_shapes
-from paged_jax.executor.draft_rows import drafts_as_rows, verification_chunks
+from paged_jax.executor.batch import Batch, prepare_batch, split_steps, tile_capacity, warmup_shapes
+from paged_jax.executor.draft_rows import drafts_as_rows, verification_chunks, verification_tiles
 from paged_jax.executor.interface import RowSampling, StepResult, check_sampling
 from paged_jax.executor.sampling import StepSampler
 from paged_jax.memory import cache_ops
@@ -56,16 +56,18 @@ def enable_compilation_cache(path: Optional[str] = None) -> None:
         logger.info("persistent compilation cache unavailable: %s", e)
 
 
-def available_kv_memory(fraction: float, cpu_kv_cache_space: float, num_devices: int = 1) -> int:
+def available_kv_memory(fraction: float, cpu_kv_cache_space: float, num_devices: int = 1,
+                        weights_to_load: int = 0) -> int:
     """Bytes the KV cache may take: ``fraction`` of free device memory on an accelerator (summed
-    over ``num_devices``, the tensor-parallel shards, each counted as the fullest one);
+    over ``num_devices``, the tensor-parallel shards, each counted as the fullest one), less
+    ``weights_to_load`` bytes a device of weights not loaded yet (a draft model's);
     on the CPU at most ``cpu_kv_cache_space`` GiB and half of the available RAM. Across
     several processes, the smallest answer of any (every host must size the same pool)."""
     if jax.devices()[0].platform != "cpu":
         free = []
         for d in jax.local_devices()[:num_devices]:
             stats = d.memory_stats() or {}
-            free.append(stats.get("bytes_limit", 0) * fraction - stats.get("bytes_in_use", 0))
+            free.append(stats.get("bytes_limit", 0) * fraction - stats.get("bytes_in_use", 0) - weights_to_load)
         nbytes = min(free) * num_devices
     else:
         try:
@@ -94,6 +96,10 @@ def num_blocks_for_memory(config: ModelConfig, block_size: int, nbytes: int,
 # for nothing by a batch that samples; past it its passes leave the caches (a [256, 50257] argmax took
 # 36 ms on the benchmark CPU, one [64, 50257] 2.6 ms): those batches take the sampler.
 GREEDY_IN_STEP_MAX_LOGITS = 1 << 18
+# Where that bound applies. On a GPU the argmax is one cheap reduction at any size, and a greedy batch
+# without it takes the sampler's own call (its tensors built on the host, a second dispatch, a second
+# read): on the H200 a 32-row GPT-2 batch (1.6M logits) spent a third of its step in "sample".
+GREEDY_IN_STEP_BOUNDED_PLATFORMS = ("cpu",)
 
 
 class StepOutput(NamedTuple):
@@ -102,7 +108,7 @@ class StepOutput(NamedTuple):
     logits: jax.Array  # float[rows, V]: each sequence's last token's, or every token's (all_logits)
     # Each sequence's argmax and its logprob (paged_jax.sampler.greedy_tokens), computed in the step so
     # that a greedy batch needs no sampler call (paged_jax.executor.sampling); None with all_logits or
-    # more than GREEDY_IN_STEP_MAX_LOGITS logits.
+    # more than GREEDY_IN_STEP_MAX_LOGITS logits on a CPU.
     greedy_ids: Optional[jax.Array] = None  # int32[rows]
     greedy_logprobs: Optional[jax.Array] = None  # float32[rows]
 
@@ -120,7 +126,7 @@ def make_step(config: ModelConfig, attn, kv_layout=None):
         if all_logits:
             return StepOutput(compute_logits(params, config, hidden)), kv_caches
         logits = compute_logits(params, config, hidden[batch.last_token])
-        if logits.size > GREEDY_IN_STEP_MAX_LOGITS:
+        if logits.size > GREEDY_IN_STEP_MAX_LOGITS and jax.default_backend() in GREEDY_IN_STEP_BOUNDED_PLATFORMS:
             return StepOutput(logits), kv_caches
         return StepOutput(logits, *greedy_tokens(logits)), kv_caches
 
@@ -218,7 +224,7 @@ class ModelRunner:
         reachable = warmup_shapes(decode_rows, max_num_batched_tokens, max_model_len, self.block_size)
         # Drafts run as query tiles: the prefill shapes, with every token's logits.
         tiles = num_speculative_tokens and not self.drafts_as_rows
-        verify = [(k, True) for k in reachable if k[3]] if tiles else []
+        verify = [((t, s, b, verification_tiles(t)), True) for t, s, b, n in reachable if n] if tiles else []
         shapes = [key for key in [(k, False) for k in reachable] + verify if key not in self._executables]
         bar = None
         if progress:
@@ -290,12 +296,14 @@ class ModelRunner:
         chunks, owners = verification_chunks(out, sampling, self.drafts_as_rows)
         want_prompt = [i for i, s in enumerate(sampling) if s.prompt_logprobs is not None]
         # Prompt logprobs, and drafts run as query tiles, need more than each row's last token's logits.
-        all_logits = bool(want_prompt) or (not self.drafts_as_rows and any(j is not None for _, j in owners))
+        verifying = not self.drafts_as_rows and any(j is not None for _, j in owners)
+        all_logits = bool(want_prompt) or verifying
         # One ragged batch for the whole step (split only if its prefills need more query tiles
-        # than its token bucket holds: many short prompts at once).
-        for part in split_steps(chunks):
+        # than its token bucket holds: many short prompts at once; a verification step has room for all).
+        capacity = verification_tiles if verifying else tile_capacity
+        for part in ([list(range(len(chunks)))] if verifying else split_steps(chunks)):
             t1 = time.perf_counter()
-            batch = prepare_batch([chunks[i] for i in part], self.block_size)
+            batch = prepare_batch([chunks[i] for i in part], self.block_size, capacity=capacity)
             t2 = time.perf_counter()
             self.timings["prepare"] += t2 - t1
             # No wait between the step and the sampler: the step is dispatched, and while the device
