@@ -142,7 +142,7 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
                                                  num_blocks_for_memory)
     from paged_jax.models.tiny import default_model_path
     from paged_jax.executor.loading import load_for_serving
-    from paged_jax.spec_decode.draft_model import draft_kv_bytes_per_token
+    from paged_jax.spec_decode.draft_model import draft_kv_bytes_per_token, draft_weight_bytes
 
     from paged_jax import envs
 
@@ -186,8 +186,8 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
         num_gpu_blocks = args.num_kv_blocks
     else:
         num_gpu_blocks = min(cap, num_blocks_for_memory(
-            mc, bs, available_kv_memory(args.gpu_memory_utilization, args.cpu_kv_cache_space,
-                                        args.tensor_parallel_size), layout.num_slots, draft))
+            mc, bs, available_kv_memory(args.gpu_memory_utilization, args.cpu_kv_cache_space, args.tensor_parallel_size,
+                                        draft_weight_bytes(args.speculative_config, mc.dtype)), layout.num_slots, draft))
         if num_gpu_blocks < 2:
             raise ValueError("not enough memory for a KV cache: give num_kv_blocks or more memory")
     num_cpu_blocks = min(cap, num_blocks_for_memory(mc, bs, int(args.swap_space * (1 << 30)), layout.num_slots,

@@ -4,6 +4,7 @@ caching), every block comes back, and a draft with another vocabulary is refused
 
 from __future__ import annotations
 
+import jax
 import pytest
 
 from paged_jax import LLM, SamplingParams
@@ -101,10 +102,16 @@ def test_fork_copies_reach_the_draft_models_cache(tiny_llama_dir):
     _check_all_blocks_back(llm.llm_engine)
 
 
-def test_the_pools_sized_from_memory_hold_the_draft_models_cache_too(tiny_llama_dir, other_draft):
+def test_the_pools_sized_from_memory_hold_the_draft_models_cache_too(tiny_llama_dir, other_draft, monkeypatch):
     """Without num_kv_blocks the pools' blocks come from the memory allowed (cpu_kv_cache_space on the CPU,
     swap_space for the host pool); the draft's caches have a block for each of the target's: the target's
-    and the draft's arrays together fit what was allowed, and one more block each would not."""
+    and the draft's arrays together fit what was allowed, and one more block each would not. The sizing
+    is told the draft's weights, not loaded yet (an accelerator's share holds them: see the next test):
+    the bytes of the arrays the draft then loads."""
+    from paged_jax.executor import model_runner
+
+    told, sizing = [], model_runner.available_kv_memory
+    monkeypatch.setattr(model_runner, "available_kv_memory", lambda *a: told.append(a[3]) or sizing(*a))
     device, host = 300_000, 200_000  # bytes: a few dozen blocks, far under the pools' cap
     llm = LLM(str(tiny_llama_dir), max_model_len=64, cpu_kv_cache_space=device / 2 ** 30, swap_space=host / 2 ** 30,
               speculative_config={"model": str(other_draft), "num_speculative_tokens": 2})
@@ -120,6 +127,25 @@ def test_the_pools_sized_from_memory_hold_the_draft_models_cache_too(tiny_llama_
         num_blocks = blocks.pop()
         used = sum(nbytes(pool) for pool in pools)
         assert used <= allowed < used + used // num_blocks, (used, allowed, num_blocks)
+    assert told == [sum(int(a.nbytes) for a in jax.tree_util.tree_leaves(draft.params))]
+
+
+def test_an_accelerators_kv_share_leaves_out_the_weights_still_to_load(monkeypatch):
+    """On an accelerator the KV cache gets gpu_memory_utilization of the device's memory less what is in
+    use (the target's weights) and less the weights still to load (a draft model's)."""
+    from paged_jax.executor import model_runner
+
+    class Device:
+        platform = "gpu"
+
+        def memory_stats(self):
+            return {"bytes_limit": 10_000, "bytes_in_use": 3_000}
+
+    monkeypatch.setattr(model_runner.jax, "devices", lambda: [Device()])
+    monkeypatch.setattr(model_runner.jax, "local_devices", lambda: [Device()])
+    assert model_runner.available_kv_memory(0.9, 4, 1) == 6_000
+    assert model_runner.available_kv_memory(0.9, 4, 1, 1_500) == 4_500
+    assert model_runner.available_kv_memory(0.9, 4, 1, 7_000) == 0
 
 
 def test_a_draft_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path):

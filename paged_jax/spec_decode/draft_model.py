@@ -206,13 +206,33 @@ def draft_kv_bytes_per_token(config, dtype: str) -> int:
     """Bytes a token takes in the KV cache of ``config``'s draft model (a SpeculativeConfig or None) loaded
     in ``dtype`` (the target's): the draft's cache has a block for each of the target's, so every block
     of the pools costs that much more a token. 0 without a draft model."""
-    if config is None or config.model is None:
+    draft = _draft_config(config, dtype)
+    return 0 if draft is None else draft.kv_bytes_per_token
+
+
+def draft_weight_bytes(config, dtype: str) -> int:
+    """Bytes of the weights of ``config``'s draft model loaded in ``dtype`` (from its checkpoint's tensor
+    shapes, before it is loaded): the pool is sized before the draft loads, and on an accelerator its
+    weights come out of ``gpu_memory_utilization``'s share like the target's. 0 without a draft model."""
+    draft = _draft_config(config, dtype)
+    if draft is None:
         return 0
+    from paged_jax.models import FAMILIES
+    from paged_jax.models.config import DTYPE_BYTES
+
+    shapes = FAMILIES[draft.family].hf_tensor_shapes(draft).values()
+    return int(sum(np.prod(shape, dtype=np.int64) for shape in shapes)) * DTYPE_BYTES[draft.dtype]
+
+
+def _draft_config(config, dtype: str):
+    """The ModelConfig of ``config``'s draft model in ``dtype``, or None without one."""
+    if config is None or config.model is None:
+        return None
     from paged_jax.errors import ModelLoadError
     from paged_jax.parallel.checkpoint import load_config_any
 
     try:
-        return load_config_any(config.model, dtype).kv_bytes_per_token
+        return load_config_any(config.model, dtype)
     except ModelLoadError as e:
         raise ModelLoadError(f"speculative_config['model']: {e}") from e
 
