@@ -90,6 +90,23 @@ def test_a_step_with_many_logits_rows_takes_the_sampler(tiny_llama_dir):
     assert [outs[0].outputs[0].token_ids] == hf_greedy(tiny_llama_dir, [prompt], 6)
 
 
+def test_past_the_bound_a_gpu_step_still_returns_its_argmax(tiny_llama_dir, monkeypatch):
+    """The bound on the step's greedy tokens is the CPU's: where it does not apply (a GPU's backend,
+    here the CPU taken off ``GREEDY_IN_STEP_BOUNDED_PLATFORMS``) a greedy prefill past it reads the
+    step's own argmax (no sampler call) and gives transformers' tokens."""
+    from paged_jax.executor import model_runner
+
+    monkeypatch.setattr(model_runner, "GREEDY_IN_STEP_BOUNDED_PLATFORMS", ())
+    monkeypatch.setenv("PAGED_JAX_NO_EXECUTABLE_CACHE", "1")  # compiled steps on disk have the CPU's bound
+    llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=64, block_size=16, max_model_len=1024,
+              max_num_batched_tokens=1024, enable_chunked_prefill=False)
+    rows = model_runner.GREEDY_IN_STEP_MAX_LOGITS // llm.llm_engine.vocab_size + 1  # one row past the bound
+    prompt = (prompts_for(llm, 1, seed=2)[0] * 1000)[:rows]
+    outs, calls = run(llm, [prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+    assert calls == 0
+    assert [outs[0].outputs[0].token_ids] == hf_greedy(tiny_llama_dir, [prompt], 6)
+
+
 # Each asks for more than argmax: a draw, a penalty, banned EOS (min_tokens), top logprobs.
 OTHERS = {"sampled": dict(temperature=0.8, seed=3), "penalty": dict(temperature=0, presence_penalty=1.5),
           "min_tokens": dict(temperature=0, min_tokens=4), "logprobs": dict(temperature=0, logprobs=2)}
