@@ -56,15 +56,10 @@ inline void Tile(const int8_t* x, int64_t ldx, const float* xs, const int8_t* pa
                  const float* ws, float* y, int64_t ldy, int64_t K, bool prefetch) {
 #if defined(PAGED_JAX_VNNI)
   constexpr int V = W / 16;
-  // At one or two rows, even and odd quad rows sum apart: R * V chains of vpdpbusd are too few to
-  // hide its latency; two sets of sums (integer, exact) double them. More rows have chains enough.
-  constexpr int S = R <= 2 ? 2 : 1;
-  __m512i acc[S][R][V];
-  for (int i = 0; i < S; ++i)
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < V; ++v) acc[i][r][v] = _mm512_setzero_si512();
-  // one quad row of the panel into the sums of set i
-  auto quad_row = [&](int64_t k4, int i) __attribute__((always_inline)) {
+  __m512i acc[R][V];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_si512();
+  for (int64_t k4 = 0; k4 < K / 4; ++k4) {
     const int8_t* b = panel + k4 * W * 4;
     if (prefetch)
       for (int off = 0; off < W * 4; off += 64) __builtin_prefetch(b + kAhead + off, 0, 3);
@@ -74,21 +69,14 @@ inline void Tile(const int8_t* x, int64_t ldx, const float* xs, const int8_t* pa
       int32_t quad;
       __builtin_memcpy(&quad, x + r * ldx + 4 * k4, 4);
       const __m512i a = _mm512_set1_epi32(quad ^ static_cast<int32_t>(0x80808080u));  // x + 128, unsigned
-      for (int v = 0; v < V; ++v) acc[i][r][v] = _mm512_dpbusd_epi32(acc[i][r][v], a, bv[v]);
+      for (int v = 0; v < V; ++v) acc[r][v] = _mm512_dpbusd_epi32(acc[r][v], a, bv[v]);
     }
-  };
-  int64_t k4 = 0;
-  for (; k4 + S <= K / 4; k4 += S)
-    for (int i = 0; i < S; ++i) quad_row(k4 + i, i);
-  for (; k4 < K / 4; ++k4) quad_row(k4, 0);
-  if constexpr (S == 2)
-    for (int r = 0; r < R; ++r)
-      for (int v = 0; v < V; ++v) acc[0][r][v] = _mm512_add_epi32(acc[0][r][v], acc[S - 1][r][v]);
+  }
   for (int v = 0; v < V; ++v) {
     const __m512i offset = _mm512_slli_epi32(_mm512_loadu_si512(sums + 16 * v), 7);  // 128 * column sum
     const __m512 scale = _mm512_loadu_ps(ws + 16 * v);
     for (int r = 0; r < R; ++r) {
-      const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[0][r][v], offset));
+      const __m512 f = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[r][v], offset));
       _mm512_storeu_ps(y + r * ldy + 16 * v, _mm512_mul_ps(_mm512_mul_ps(f, _mm512_set1_ps(xs[r])), scale));
     }
   }
