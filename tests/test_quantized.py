@@ -10,6 +10,7 @@ quantization on load; one device for tensor parallelism.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import subprocess
@@ -390,11 +391,10 @@ def test_int8_on_load_keeps_the_default_models_greedy_tokens():
     assert 0 < max(diffs) < 0.05
 
 
-def held_out_perplexity_ratio(**engine_options) -> float:
-    """The trained default model's perplexity on held-out standard-library text (4 windows of 128
-    tokens) with ``engine_options`` over its perplexity without them."""
-    import math
-
+@functools.cache
+def _held_out_float32_nll() -> tuple:
+    """The held-out windows and the default model's float32 NLL over them: computed once a session
+    for the perplexity ratios of test_quantized, test_kv_quant and test_native_linear."""
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
     import eval_perplexity
     from transformers import AutoTokenizer
@@ -403,7 +403,17 @@ def held_out_perplexity_ratio(**engine_options) -> float:
 
     folder = str(default_model_path())
     windows = eval_perplexity.token_windows(AutoTokenizer.from_pretrained(folder), 128, 4)
-    nll, n = eval_perplexity.engine_nll(folder, windows, "float32")
+    return folder, windows, eval_perplexity.engine_nll(folder, windows, "float32")
+
+
+def held_out_perplexity_ratio(**engine_options) -> float:
+    """The trained default model's perplexity on held-out standard-library text (4 windows of 128
+    tokens) with ``engine_options`` over its perplexity without them."""
+    import math
+
+    folder, windows, (nll, n) = _held_out_float32_nll()
+    import eval_perplexity  # on the path from _held_out_float32_nll
+
     q_nll, q_n = eval_perplexity.engine_nll(folder, windows, "float32", **engine_options)
     return math.exp(q_nll / q_n) / math.exp(nll / n)
 
