@@ -484,7 +484,7 @@ def _w8a8(rng, K, N, per_tensor=False):
 
 
 @needs_native
-@pytest.mark.parametrize("M", [2, 3, 9, 1030])  # two rows (two sets of sums; one: 9's tail); a tail tile; 8-row tiles and a tail; two row passes
+@pytest.mark.parametrize("M", [3, 9, 1030])  # a tail tile; 8-row tiles and a tail; two row passes
 @pytest.mark.parametrize("K,N,per_tensor", [(4, 16, False), (64, 96, False), (132, 80, False), (512, 48, True)])
 def test_int8_by_int8_linear_matches_numpy_and_xla_to_the_bit(M, K, N, per_tensor):
     """W8A8: int8 activations (extremes included: -128 and 127) times int8 weights, exact integer
