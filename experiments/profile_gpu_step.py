@@ -10,8 +10,8 @@ throughput workload (all requests at once, ``bench_throughput.py``'s) twice and 
 
 - *split*: the engine's step time by phase (``get_stats()["timings"]``: schedule, prepare, cache_ops,
   device, sample, process), a step's milliseconds each;
-- *copies*: the bytes a step copies host->device (the batch's arrays, the sampler's tensors) and
-  device->host (the samples read), and how many of the steps' batches took the sampler's own call
+- *copies*: the bytes and arrays (one copy each) a step copies host->device (the batch's arrays, the
+  sampler's tensors) and device->host (the samples read), and how many of the steps' batches took the sampler's own call
   rather than the step's argmax (``paged_jax.executor.sampling``);
 - *trace*: the second run under ``jax.profiler``, its events summed per step by kind (instance numbers
   dropped), split into device events (a GPU's kernels and copies: the trace's ``/device:`` processes)
@@ -42,11 +42,11 @@ from bench_common import gpt2_124m_model, make_llm, make_requests, max_len, run_
 PHASES = ("schedule", "prepare", "cache_ops", "device", "sample", "process")
 
 
-def host_bytes(tree) -> int:
-    """Bytes of the host (numpy) arrays in ``tree``: what a jitted call copies to the device."""
+def host_arrays(tree) -> list[np.ndarray]:
+    """The host (numpy) arrays in ``tree``: what a jitted call copies to the device, one copy each."""
     import jax
 
-    return sum(x.nbytes for x in jax.tree.leaves(tree) if isinstance(x, np.ndarray))
+    return [x for x in jax.tree.leaves(tree) if isinstance(x, np.ndarray)]
 
 
 def device_bytes(tree) -> int:
@@ -59,16 +59,23 @@ class CopyCounter:
     """Counts, on one engine's model runner, the bytes each step copies each way and the sampler calls."""
 
     def __init__(self, runner):
-        self.h2d = self.d2h = self.sampler_calls = self.argmax_batches = 0
+        import jax
+
+        self.h2d = self.h2d_arrays = self.d2h = self.d2h_arrays = self.sampler_calls = 0
         run_step, call, sampler = runner.run_step, runner._call, runner.sampler
         dispatch_sampler, collect = sampler._dispatch_sampler, sampler.collect
 
+        def to_device(tree):
+            arrays = host_arrays(tree)
+            self.h2d += sum(x.nbytes for x in arrays)
+            self.h2d_arrays += len(arrays)
+
         def counted_run_step(batch, all_logits=False):
-            self.h2d += host_bytes(batch)
+            to_device(batch)
             return run_step(batch, all_logits)
 
         def counted_call(name, fn, *args):
-            self.h2d += host_bytes(args)
+            to_device(args)
             return call(name, fn, *args)
 
         def counted_dispatch_sampler(*args):
@@ -78,13 +85,14 @@ class CopyCounter:
         def counted_collect(sampling, pending, result):
             if pending is not None:  # what collect reads back: the sample arrays (and probabilities)
                 self.d2h += device_bytes(pending[2:])
+                self.d2h_arrays += sum(x.size > 0 for x in jax.tree.leaves(pending[2:]))  # empty: no copy
             return collect(sampling, pending, result)
 
         runner.run_step, runner._call = counted_run_step, counted_call
         sampler._dispatch_sampler, sampler.collect = counted_dispatch_sampler, counted_collect
 
     def snapshot(self) -> np.ndarray:
-        return np.array([self.h2d, self.d2h, self.sampler_calls], dtype=float)
+        return np.array([self.h2d, self.h2d_arrays, self.d2h, self.d2h_arrays, self.sampler_calls], dtype=float)
 
 
 def trace_events(run) -> list[tuple[bool, str, float]]:
@@ -123,7 +131,7 @@ def profile(llm, a, requests, temperature: float) -> None:
     run_paged_jax(llm, a, requests)  # compiles what warm-up left (a sampling variant), untimed
     before = counter.snapshot()
     res = run_paged_jax(llm, a, requests)
-    h2d, d2h, sampler_calls = (counter.snapshot() - before) / res["steps"]
+    h2d, h2d_arrays, d2h, d2h_arrays, sampler_calls = (counter.snapshot() - before) / res["steps"]
     t, steps = res["timings"], res["steps"]
     total = sum(t[k] for k in ("schedule", "execute", "process"))
     mode = "greedy" if temperature == 0 else f"temperature {temperature} (top_p 1, top_k 0)"
@@ -131,7 +139,8 @@ def profile(llm, a, requests, temperature: float) -> None:
           f"{res['new_compilations']} compilations during the run")
     print("split, ms a step (% of the step): " + ", ".join(
         f"{k} {1e3 * t[k] / steps:.3f} ({100 * t[k] / max(total, 1e-9):.1f}%)" for k in PHASES))
-    print(f"copies a step: host->device {h2d / 1e3:.1f} kB, device->host {d2h / 1e3:.2f} kB; "
+    print(f"copies a step: host->device {h2d / 1e3:.1f} kB in {h2d_arrays:.1f} arrays, device->host "
+          f"{d2h / 1e3:.2f} kB in {d2h_arrays:.1f} arrays; "
           f"the sampler's own call in {sampler_calls:.2f} of a step's batches (else the step's argmax)")
     steps_before = engine.num_steps
     events = trace_events(lambda: run_paged_jax(llm, a, requests))

@@ -32,6 +32,7 @@ def test_copy_counter_counts_sampler_calls_and_the_samples_read(tiny_llama_dir, 
     # Greedy: the tiny vocabulary keeps every batch under the step's argmax bound.
     assert counter.sampler_calls == (0 if temperature == 0 else steps)
     assert counter.d2h >= 8 * tokens  # an int32 id and a float32 logprob a sample, at least
+    assert counter.d2h_arrays == 2 * steps  # every step samples: its ids and logprobs, read once each
     assert counter.h2d > 0
 
 

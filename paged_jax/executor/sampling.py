@@ -157,7 +157,8 @@ class StepSampler:
         picks, rows, outputs, *probs = pending
         # Leaf by leaf: on the CPU jax.device_get's asynchronous copies took 0.1-0.2 ms after a step,
         # np.asarray's zero-copy views 0.01-0.03 ms (at batch 1 a step is 2-3 ms).
-        ids, lps, *top = [np.asarray(x) for x in outputs]
+        # The top-N arrays are [rows, 0] without logprobs asked for: nothing to copy, no read.
+        ids, lps, *top = [np.asarray(x) if x.size else np.zeros(x.shape, x.dtype) for x in outputs]
         probs = np.asarray(jax.device_get(probs[0])) if probs else None
         top_ids, top_lps = top or (None, None)  # the step's own argmax has no top-N
         for r, i in zip(rows, picks):
