@@ -62,8 +62,8 @@ class CopyCounter:
         import jax
 
         self.h2d = self.h2d_arrays = self.d2h = self.d2h_arrays = self.sampler_calls = 0
-        run_step, call, sampler = runner.run_step, runner._call, runner.sampler
-        dispatch_sampler, collect = sampler._dispatch_sampler, sampler.collect
+        run_step, sampler = runner.run_step, runner.sampler
+        call, dispatch_sampler, collect = sampler._call, sampler._dispatch_sampler, sampler.collect
 
         def to_device(tree):
             arrays = host_arrays(tree)
@@ -88,8 +88,9 @@ class CopyCounter:
                 self.d2h_arrays += sum(x.size > 0 for x in jax.tree.leaves(pending[2:]))  # empty: no copy
             return collect(sampling, pending, result)
 
-        runner.run_step, runner._call = counted_run_step, counted_call
-        sampler._dispatch_sampler, sampler.collect = counted_dispatch_sampler, counted_collect
+        runner.run_step = counted_run_step
+        sampler._call, sampler._dispatch_sampler = counted_call, counted_dispatch_sampler
+        sampler.collect = counted_collect
 
     def snapshot(self) -> np.ndarray:
         return np.array([self.h2d, self.h2d_arrays, self.d2h, self.d2h_arrays, self.sampler_calls], dtype=float)
