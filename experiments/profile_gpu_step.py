@@ -144,7 +144,11 @@ def profile(llm, a, requests, temperature: float) -> None:
           f"{d2h / 1e3:.2f} kB in {d2h_arrays:.1f} arrays; "
           f"the sampler's own call in {sampler_calls:.2f} of a step's batches (else the step's argmax)")
     steps_before = engine.num_steps
-    events = trace_events(lambda: run_paged_jax(llm, a, requests))
+    try:
+        events = trace_events(lambda: run_paged_jax(llm, a, requests))
+    except Exception as exc:  # e.g. no CUPTI on a GPU machine: the figures above still stand
+        print(f"trace: jax.profiler failed: {type(exc).__name__}: {exc}")
+        return
     traced = max(1, engine.num_steps - steps_before)
     for on_device, rows in by_kind(events, traced, a.top).items():
         side = "device (kernels, copies)" if on_device else "host"
