@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import importlib.metadata
+import importlib.util
 import os
 import shutil
 import tempfile
@@ -38,6 +39,16 @@ if "PAGED_JAX_COMPILE_CACHE" not in os.environ:
 import pytest
 
 from tests.hf_models import HF_VARIANTS, make_hf_model
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _torch_on_one_thread():
+    """transformers (the oracle, where installed) runs models 64 wide: a second intra-op thread only
+    spins against JAX's threads, and on 2 busy cores made ``generate`` up to 30x slower."""
+    if importlib.util.find_spec("torch") is not None:
+        import torch
+
+        torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
