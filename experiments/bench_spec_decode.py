@@ -16,8 +16,9 @@ order rotating, so that a burst of load from elsewhere falls on all alike; a bat
 best round (a shared machine only slows a run down), a configuration's tokens/s is the tokens over
 the sum of its batches' times. It prints tokens/s, the ratio to plain decoding, the acceptance rate
 (accepted / draft tokens), the mean acceptance length (tokens per target step of a drafted row: 1 +
-accepted / drafts), the engine steps of a round and the milliseconds a step (the ratio to plain
-decoding is the product of the steps saved and the cost of a step), and the seconds spent proposing
+accepted / drafts), the engine steps of a round, the target's forward passes in them (more than the
+steps where a step was split in two) and the milliseconds a step (the ratio to plain decoding is the
+product of the steps saved and the cost of a step), and the seconds spent proposing
 (in the first round), and checks that every configuration's tokens equal plain decoding's.
 """
 
@@ -64,6 +65,16 @@ def run(llm, prompts: list[str], batch: int, params) -> tuple[float, list[list[i
     return time.perf_counter() - t0, tokens
 
 
+def count_calls(fn, counts: dict, name: str):
+    """``fn``, counting its calls in ``counts[name]``."""
+
+    def counted(*args, **kwargs):
+        counts[name] += 1
+        return fn(*args, **kwargs)
+
+    return counted
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batches", default="1", help="comma-separated batch sizes")
@@ -105,6 +116,9 @@ def main(argv=None) -> None:
             configs[f"draft k={k}"] = {"model": draft, "num_speculative_tokens": k}
     engines = {name: LLM(max_model_len=1024, max_num_seqs=max(batches), num_kv_blocks=64 * max(batches) + 1,
                          speculative_config=spec) for name, spec in configs.items()}
+    passes = dict.fromkeys(configs, 0)  # the target's forward passes (a step split in two counts two)
+    for name, llm in engines.items():
+        llm.llm_engine.runner.run_step = count_calls(llm.llm_engine.runner.run_step, passes, name)
     print(f"{a.prompts} code prompts ({a.prompt_chars} characters of held-out standard-library files), "
           f"{a.output_len} tokens each, greedy; n-gram lookup {a.lookup_min}-{a.lookup_max}; best of {a.rounds} rounds per batch")
     for workload, batch in [(w, b) for w in a.workloads.split(",") for b in batches]:
@@ -117,6 +131,7 @@ def main(argv=None) -> None:
         # load from elsewhere hits all configurations alike; each batch's time is its best round.
         best = {name: [float("inf")] * len(batches_of) for name in configs}
         steps = dict.fromkeys(configs, 0)  # engine steps of the first round (the tokens are the same in each)
+        round_passes = dict.fromkeys(configs, 0)  # and the target's forward passes
         for r in range(a.rounds):
             for b, chunk in enumerate(batches_of):
                 names = list(configs)
@@ -124,8 +139,10 @@ def main(argv=None) -> None:
                 for name in names[shift:] + names[:shift]:
                     llm = engines[name]
                     before, first_step = llm.llm_engine.get_stats()["spec_decode"], llm.llm_engine.num_steps
+                    first_pass = passes[name]
                     seconds, _ = run(llm, chunk, batch, params)
                     steps[name] += (llm.llm_engine.num_steps - first_step) if r == 0 else 0
+                    round_passes[name] += (passes[name] - first_pass) if r == 0 else 0
                     best[name][b] = min(best[name][b], seconds)
                     after = llm.llm_engine.get_stats()["spec_decode"]
                     if after is not None and r == 0:
@@ -137,7 +154,7 @@ def main(argv=None) -> None:
         # tokens/s over plain = (plain's steps / these steps) x (plain's ms a step / these ms a step): what
         # acceptance gives and what a step with drafts costs.
         print(f"\n{workload}, batch {batch}:\n{'configuration':<22} {'tokens/s':>9} {'x plain':>8} {'accept':>7} "
-              f"{'mean len':>9} {'steps':>6} {'ms/step':>8} {'propose s':>10} {'same tokens':>12}")
+              f"{'mean len':>9} {'steps':>6} {'passes':>7} {'ms/step':>8} {'propose s':>10} {'same tokens':>12}")
         for name in configs:
             tps = total / best[name]
             s = spec_stats.get(name)
@@ -146,7 +163,8 @@ def main(argv=None) -> None:
             prop = f"{s['proposal_time']:.3f}" if s else "-"
             same = "yes" if tokens[name] == tokens["plain"] else "NO"
             ms = 1000 * best[name] / steps[name]
-            print(f"{name:<22} {tps:9.1f} {tps / base:8.2f} {acc:>7} {mean:>9} {steps[name]:6d} {ms:8.2f} {prop:>10} "
+            print(f"{name:<22} {tps:9.1f} {tps / base:8.2f} {acc:>7} {mean:>9} {steps[name]:6d} {round_passes[name]:7d} "
+                  f"{ms:8.2f} {prop:>10} "
                   f"{same:>12}")
 
 
