@@ -34,49 +34,6 @@ def test_linear_matches_numpy(M, K, N):
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5 * np.sqrt(K))
 
 
-def _prefetched_bytes() -> int:
-    import ctypes
-
-    fn = ctypes.CDLL(native.status()["library"]).PagedJaxStepStartPrefetchBytes
-    fn.restype = ctypes.c_int64
-    return fn()
-
-
-@needs_native
-def test_decode_calls_prefetch_the_next_step_start_and_keep_their_results():
-    """Decode-sized calls in a fixed order learn it: after a long wait between rounds (the host's
-    work between steps) the last call prefetches the first weights. Results stay numpy's, bit for
-    bit the same every round, also once a weight it guessed was freed (prefetches never fault)."""
-    import time
-
-    rng = np.random.default_rng(7)
-    shapes = [(512, 1536), (512, 512), (1408, 512)]
-    ws = [rng.standard_normal(s).astype(np.float32) for s in shapes]
-    xs = [rng.standard_normal((1, s[0])).astype(np.float32) for s in shapes]
-    panels = [native.pack_weight(jnp.asarray(w)) for w in ws]
-    call = jax.jit(native.linear)
-
-    def round_(panels):
-        return [np.asarray(call(jnp.asarray(x), p)) for x, p in zip(xs, panels)]
-
-    first = round_(panels)
-    for got, x, w in zip(first, xs, ws):
-        np.testing.assert_allclose(got, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-4)
-    before = _prefetched_bytes()
-    for _ in range(4):  # a wait after the last call: it prefetches the first weights for the next round
-        time.sleep(0.005)
-        for got, want in zip(round_(panels), first):
-            np.testing.assert_array_equal(got, want)
-    assert _prefetched_bytes() > before
-    stale = native.pack_weight(jnp.asarray(ws[0]))  # a new first weight; the old one, still guessed, freed
-    panels[0].delete()
-    panels[0] = stale
-    for _ in range(3):
-        time.sleep(0.005)
-        for got, want in zip(round_(panels), first):
-            np.testing.assert_array_equal(got, want)
-
-
 @needs_native
 def test_linear_keeps_leading_dims_and_empty_rows():
     rng = np.random.default_rng(1)

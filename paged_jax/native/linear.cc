@@ -21,11 +21,7 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <atomic>
-#include <chrono>
 #include <mutex>
-#include <unordered_map>
-#include <vector>
 
 #include "fp8.h"
 #include "parallel.h"
@@ -36,104 +32,6 @@
 namespace ffi = xla::ffi;
 
 namespace {
-
-// Between two decode steps the host works (sampling, scheduling, the next batch: half a
-// millisecond and more) while the memory, which bounds the step, idles. A step calls the matmuls
-// in the same order every time, so each call learns which weight came next and after how long;
-// when the last call of a step ends (a long wait followed it last time), a pool thread prefetches
-// the weights the next step starts with, as much as that wait can read, into L2 and L3, where the
-// step's first matmuls then find them. Inside a step the waits are short and nothing is
-// prefetched: the pool's threads stay free for the step's own work. The next matmul stops a
-// prefetch still running. Only prefetch instructions touch the guessed weights: they never fault,
-// so a stale guess (a weight since freed, another model's order) costs bandwidth, never a result.
-class StepStartPrefetcher {
- public:
-  struct Weight {
-    const char* data = nullptr;
-    int64_t panel_bytes = 0, panels = 0;
-  };
-
-  // The bytes of prefetches started so far (tests/test_native_linear.py).
-  int64_t ScheduledBytes() const { return scheduled_bytes_.load(std::memory_order_relaxed); }
-
-  // A matmul over w starts: stop any prefetch, and record w as what followed the last call's weight.
-  void Begin(const Weight& w) {
-    epoch_.fetch_add(1, std::memory_order_relaxed);
-    const double now = Now();
-    std::lock_guard<std::mutex> lock(mu_);
-    if (last_ && last_ != w.data) {
-      if (next_.size() > 4096) next_.clear();  // a bound over the lifetimes of many models
-      next_[last_] = {w, now - last_end_};
-    }
-    last_ = w.data;
-  }
-
-  // The matmul over w is done: if a long wait followed it last time, prefetch what came next.
-  void End(ffi::ThreadPool& pool, const char* w) {
-    std::vector<Weight> ahead;
-    int64_t budget;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      last_end_ = Now();
-      auto it = next_.find(w);
-      if (it == next_.end() || it->second.wait_us < kMinWaitUs) return;
-      budget = std::min<int64_t>(kMaxBytes, static_cast<int64_t>(it->second.wait_us * kBytesPerUs));
-      for (int64_t left = budget; it != next_.end() && left > 0 && ahead.size() < 64; it = next_.find(it->second.next.data)) {
-        ahead.push_back(it->second.next);
-        left -= it->second.next.panels * it->second.next.panel_bytes;
-      }
-    }
-    const int64_t threads = std::max<int64_t>(1, pool.num_threads() - 1) + 1;
-    const uint64_t epoch = epoch_.load(std::memory_order_relaxed);
-    const std::atomic<uint64_t>* current = &epoch_;
-    scheduled_bytes_.fetch_add(budget, std::memory_order_relaxed);
-    pool.Schedule([=] {
-      int64_t left = budget;
-      for (const Weight& next : ahead) {
-        // ranges as ForEachPanelChunk hands them out at small batch (ParallelRanges, 2 a thread),
-        // their starts first, so that every thread's first range is warm
-        const int64_t want = std::min<int64_t>(next.panels, 2 * threads);
-        const int64_t per = (next.panels + want - 1) / want, part = per * next.panel_bytes;
-        const int64_t parts = (next.panels + per - 1) / per, total = next.panels * next.panel_bytes;
-        for (int64_t off = 0; off < part && left > 0; off += kStep) {
-          if (current->load(std::memory_order_relaxed) != epoch) return;
-          for (int64_t c = 0; c < parts; ++c)
-            for (int64_t b = c * part + off, end = std::min({b + kStep, (c + 1) * part, total}); b < end; b += 64) {
-              __builtin_prefetch(next.data + b, 0, 3);
-              left -= 64;
-            }
-        }
-      }
-    });
-  }
-
- private:
-  static double Now() {
-    return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now().time_since_epoch()).count();
-  }
-  struct Link {
-    Weight next;
-    double wait_us;  // between this weight's call ending and the next one's starting, last time
-  };
-  static constexpr double kMinWaitUs = 150;    // waits inside a step: a few to a few tens of us
-  static constexpr double kBytesPerUs = 25e3;  // what one thread's prefetches read (about 25 GB/s)
-  static constexpr int64_t kMaxBytes = 12 << 20;  // of the 32 MB L3, what the step start reads
-  static constexpr int64_t kStep = 4096;          // bytes of each range between looks at whether to stop
-  std::atomic<uint64_t> epoch_{0};
-  std::atomic<int64_t> scheduled_bytes_{0};
-  std::mutex mu_;
-  const char* last_ = nullptr;
-  double last_end_ = 0;
-  std::unordered_map<const char*, Link> next_;
-};
-
-StepStartPrefetcher step_start;  // one per process: the library's matmuls share XLA's pool
-// the most rows of x for which calls take part (decode); -DPAGED_JAX_NO_STEP_START_PREFETCH: none
-#if defined(PAGED_JAX_NO_STEP_START_PREFETCH)
-constexpr int64_t kStepStartRows = 0;
-#else
-constexpr int64_t kStepStartRows = 16;
-#endif
 
 ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> w,
                 ffi::ResultBuffer<ffi::F32> y) {
@@ -148,8 +46,6 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
   const float* ws = w.typed_data();
   float* ys = y->typed_data();
   const int64_t N = P * W;
-  const bool decode = M <= kStepStartRows;  // M >= 1 here
-  if (decode) step_start.Begin({reinterpret_cast<const char*>(ws), K * W * 4, P});
   ForEachPanelChunk(pool, M, P, [=](int64_t p, int64_t m0, int64_t m1) {
     const float* panel = ws + p * K * W;
     float* out = ys + p * W;
@@ -159,7 +55,6 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
       default: Tiles<16>(xs, K, m0, m1, panel, out, N, K, true); break;
     }
   });
-  if (decode) step_start.End(pool, reinterpret_cast<const char*>(ws));
   return ffi::Error::Success();
 }
 
@@ -473,9 +368,6 @@ ffi::Error SumImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::ResultBuf
 }
 
 }  // namespace
-
-// The bytes the float32 matmuls have set out to prefetch between decode steps (StepStartPrefetcher).
-extern "C" int64_t PagedJaxStepStartPrefetchBytes() { return step_start.ScheduledBytes(); }
 
 // Which tiles the float32 and quantized matmuls were built with: 2 AVX-512, 1 AVX2 with FMA3,
 // 0 the portable loops (slower than XLA's matmul: the runner then keeps plain float32 weights).
