@@ -177,6 +177,18 @@ def run_paged_jax(llm, a, requests: list[Request]) -> dict:
 
 
 # ---- Hugging Face ------------------------------------------------------------
+def profiler_events(run) -> list[dict]:
+    """Every event ``jax.profiler`` records while ``run()`` runs (its Perfetto trace's ``traceEvents``)."""
+    import gzip
+
+    import jax
+
+    with tempfile.TemporaryDirectory() as d:
+        with jax.profiler.trace(d, create_perfetto_trace=True):
+            run()
+        return json.loads(gzip.open(next(Path(d).rglob("*.trace.json.gz"))).read())["traceEvents"]
+
+
 def load_hf(model: str, dtype: str = "auto"):
     """The Hugging Face model on torch's GPU where it has one (the paper's baseline runs there), else
     on the CPU; ``dtype`` as paged-jax's ``--dtype`` ("auto": float32, what paged-jax gives a random

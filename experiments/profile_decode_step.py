@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
 import json
 import re
 import statistics
@@ -43,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-import bench_common  # noqa: F401  (puts this checkout on the path)
+import bench_common  # (also puts this checkout on the path)
 
 FORMATS = {"float32": None, "int8": "int8", "int4": "int4"}
 
@@ -109,13 +108,13 @@ def trace_ops(call, calls: int) -> tuple[dict, float]:
     """(per-op microseconds a step by event name, the executable's span a step) from a jax.profiler trace."""
     import jax
 
-    with tempfile.TemporaryDirectory() as d:
-        jax.block_until_ready(call())
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            for _ in range(calls):
-                jax.block_until_ready(call())
-        path = next(Path(d).rglob("*.trace.json.gz"))
-        events = json.loads(gzip.open(path).read())["traceEvents"]
+    jax.block_until_ready(call())
+
+    def run():
+        for _ in range(calls):
+            jax.block_until_ready(call())
+
+    events = bench_common.profiler_events(run)
     totals = collections.defaultdict(float)
     for e in events:
         if e.get("ph") == "X" and "dur" in e:

@@ -27,17 +27,15 @@ from __future__ import annotations
 
 import argparse
 import collections
-import gzip
 import json
 import re
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 
-from bench_common import gpt2_124m_model, make_llm, make_requests, max_len, run_paged_jax
+from bench_common import gpt2_124m_model, make_llm, make_requests, max_len, profiler_events, run_paged_jax
 
 PHASES = ("schedule", "prepare", "cache_ops", "device", "sample", "process")
 
@@ -98,12 +96,7 @@ class CopyCounter:
 
 def trace_events(run) -> list[tuple[bool, str, float]]:
     """``run()`` under jax.profiler: each complete event as (on a device, name, microseconds)."""
-    import jax
-
-    with tempfile.TemporaryDirectory() as d:
-        with jax.profiler.trace(d, create_perfetto_trace=True):
-            run()
-        events = json.loads(gzip.open(next(Path(d).rglob("*.trace.json.gz"))).read())["traceEvents"]
+    events = profiler_events(run)
     process = {e["pid"]: e.get("args", {}).get("name", "") for e in events
                if e.get("ph") == "M" and e.get("name") == "process_name"}
     # Python frames ("$file:line name") nest around everything else: left out.
