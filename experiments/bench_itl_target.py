@@ -6,9 +6,10 @@ prompts keep arriving.
 
 The model is ``bench_long_prompt.py --stutter``'s (GPT-2-shaped: 512 wide, 8 layers, vocabulary 1,024,
 random float32). The scenario, on one engine: ``--streams`` greedy requests (32-token prompts) decode;
-after ``--before-steps`` steps the ``--long`` prompts arrive together, and from then on a short prompt
-(uniform 32 to 256 tokens, 8 output tokens) arrives every ``--short-every`` seconds until the last long
-prompt has its first token. One process, side by side:
+after ``--before-steps`` steps the ``--long`` prompts arrive together, a short prompt (uniform 32 to 256
+tokens, 8 output tokens) right behind them and another every ``--short-every`` seconds until the last long
+prompt has its first token (``--short-every 0``: no short prompts). The first short prompt comes with the
+long ones so that every run, however fast the machine, sees one arrive while they prefill. One process, side by side:
 
 - **fixed budgets** (``max_num_batched_tokens`` of ``--budgets``, no target, FCFS): what a vLLM user tunes;
 - **target k x** (``target_itl_ms`` = k times the decode step measured in the first run: the median
@@ -69,7 +70,8 @@ def scenario(engine, a, rng, tag: str, clock=time.perf_counter) -> dict:
             for rid, p in longs.items():
                 engine.add_request(rid, None, SamplingParams(max_tokens=1, **greedy), p)
                 arrival[rid] = now
-            t_add, next_short, phase = now, now + a.short_every, "during"
+            # The first short prompt right behind the long ones; none at all for --short-every 0.
+            t_add, next_short, phase = now, now if a.short_every > 0 else float("inf"), "during"
             steps0, gen0 = engine.num_steps, engine.num_generated_tokens
         while phase == "during" and next_short <= now:  # arrivals due by now, each at its own time
             rid = f"{tag}-short{len(shorts)}"
@@ -192,7 +194,8 @@ def report(rows: list[dict], a) -> str:
     longest = max(a.long)
     alone = reference(rows)["short_alone_s"]
     lines = [f"{a.streams} streams decoding; prompts of {', '.join(f'{n:,}' for n in a.long)} tokens arrive, then a "
-             f"short prompt (32-{a.short_max} tokens) every {a.short_every:g} s until the last one's first token. "
+             f"short prompt (32-{a.short_max} tokens) right behind them and every {a.short_every:g} s until the last one's "
+             f"first token. "
              f"Decode step alone: {d:.1f} ms; a {a.short_max}-token prompt alone (budget {reference(rows)['budget']}): "
              f"{alone:.2f} s.", "",
              "| mode | policy | target (ms) | gap p50 / p99 / max (ms) | p99 / target | max / target | "
@@ -266,7 +269,7 @@ def main(argv=None):
                     help="report and draw the rows printed (one JSON a line) by earlier runs, running nothing")
     ap.add_argument("--fcfs-multiple", type=float, default=5, help="also this target with FCFS (0: not)")
     ap.add_argument("--before-steps", type=int, default=20)
-    ap.add_argument("--short-every", type=float, default=0.5, help="seconds between short prompts")
+    ap.add_argument("--short-every", type=float, default=0.5, help="seconds between short prompts (0: none)")
     ap.add_argument("--short-max", type=int, default=256, help="the short prompts' longest")
     ap.add_argument("--runs", type=int, default=1, help="scenarios per engine (the last reported)")
     ap.add_argument("--no-warm-up", dest="warm_up", action="store_false",
