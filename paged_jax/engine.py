@@ -101,7 +101,7 @@ class LLMEngine:
         requests to calibrate the step-cost model (:func:`paged_jax.step_cost.calibrate`)."""
         c = self.scheduler_config
         # With speculative decoding: its draft model's steps, and the verification steps (ModelRunner's argument).
-        spec = {} if self.spec_decoder is None else self.spec_decoder.warm_up(c, progress)
+        spec = {} if self.spec_decoder is None else self.spec_decoder.warm_up(c, progress, sampling_params)
         compiled = self.runner.warm_up(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len, sampling_params,
                                        self.eos_token_id, progress, **spec)
         calibrate(self)  # with a latency target: the step-cost model from a few measured steps (no-op otherwise)

@@ -1,17 +1,25 @@
-"""A draft model's greedy drafts in one jitted call: ``k`` one-token steps in a ``lax.fori_loop``.
+"""A draft model's drafts in one jitted call: ``k`` one-token steps in a ``lax.fori_loop``.
 
 Drafting one token at a time through ``ModelRunner.execute`` costs a dispatch, a batch built in numpy
 and a wait per draft; on a small draft model that overhead is most of a draft's cost (README,
 Speculative decoding). Here the decode batch of the first drafts is built once, with block tables
-already covering every draft's slot, and the loop feeds each step's argmax to the next: position,
+already covering every draft's slot, and the loop feeds each step's draft to the next: position,
 slot and context length advance by one a step, and a row past its own number of drafts writes its
 K/V to the null block (its tokens are ignored).
+
+A greedy row's draft is the step's argmax. A sampled row's (:class:`LoopDraws`) is drawn on the device
+from ``q``, the step's distribution after the request's processing (the sampler's own
+:func:`~paged_jax.sampler.processed_probs`: penalties over the output so far and the drafts before,
+``min_tokens``' banned ids, temperature, top-k, top-p, min-p), by the sampler's inverse CDF at a
+uniform drawn beforehand on the host (``paged_jax.spec_decode.sampled.position_rng``: the uniform a
+draft drawn one step at a time takes, so a seeded row draws the same drafts either way); the loop
+returns every step's ``q`` for the rejection sampler.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -20,23 +28,44 @@ from jax import lax
 
 from paged_jax.executor.batch import SeqChunk, bucket, prepare_batch
 from paged_jax.memory.block_allocator import NULL_BLOCK
-from paged_jax.sampler import greedy_tokens
+from paged_jax.sampler import _inverse_cdf, greedy_tokens, processed_probs
+from paged_jax.sampling_tensors import PAD_ID, SamplingTensors
+from paged_jax.utils import pow2_bucket
 
 if TYPE_CHECKING:
     from paged_jax.executor.batch import Batch
 
 
-def make_draft_loop(step, block_size: int, num_steps: int):
-    """``loop(params, kv_caches, batch, limits) -> (tokens int32[num_steps, S], kv_caches)`` jitted, for
-    ``step`` the runner's step function (:func:`paged_jax.executor.model_runner.make_step`): step j
-    runs row s's token at ``batch.positions[s] + j`` (its first token from ``batch.input_ids``, then
-    the argmax of the step before) while ``j < limits[s]``."""
+@dataclasses.dataclass(frozen=True)
+class LoopDraws:
+    """What the loop needs to draw its sampled rows' drafts (a pytree; build with :func:`loop_draws`).
+    S: the batch's rows, N: the loop's steps."""
 
-    def loop(params, kv_caches, batch: "Batch", limits):
+    tensors: SamplingTensors  # each row's processing; output_token_ids holds its history with room for N drafts
+    uniforms: Any  # float32[N, S]: the uniform of step j's draw
+    sampled: Any  # bool[S]: rows that draw (the others take the argmax)
+    history_len: Any  # int32[S]: output tokens before step 0's draft (step j's draft is output token history_len + j)
+    banned_until: Any  # int32[S]: min_tokens: the banned ids apply while the output is shorter
+
+
+jax.tree_util.register_dataclass(LoopDraws, data_fields=[f.name for f in dataclasses.fields(LoopDraws)],
+                                 meta_fields=[])
+
+
+def make_draft_loop(step, block_size: int, num_steps: int, vocab_size: int):
+    """``loop(params, kv_caches, batch, limits, draws=None) -> (tokens int32[num_steps, S], q, kv_caches)``
+    jitted, for ``step`` the runner's step function (:func:`paged_jax.executor.model_runner.make_step`):
+    step j runs row s's token at ``batch.positions[s] + j`` (its first token from ``batch.input_ids``,
+    then the draft of the step before) while ``j < limits[s]``. ``draws`` (:class:`LoopDraws`): the
+    sampled rows' draws; ``q`` float32[num_steps, S, V] the distributions they were drawn from (None
+    without ``draws``)."""
+
+    def loop(params, kv_caches, batch: "Batch", limits, draws: Optional[LoopDraws] = None):
         live_rows = batch.query_lens > 0
+        S = batch.block_tables.shape[0]
 
         def body(j, carry):
-            kv, tokens, out = carry
+            kv, tokens, out, history, qs = carry
             pos = batch.positions + j
             block = jnp.take_along_axis(batch.block_tables, (pos // block_size)[:, None], axis=1)[:, 0]
             slot = jnp.where(j < limits, block * block_size + pos % block_size, NULL_BLOCK * block_size)
@@ -45,13 +74,60 @@ def make_draft_loop(step, block_size: int, num_steps: int):
             step_out, kv = step(params, kv, b, False)
             # The step leaves greedy ids out past GREEDY_IN_STEP_MAX_LOGITS (many rows, a large vocabulary).
             ids = step_out.greedy_ids if step_out.greedy_ids is not None else greedy_tokens(step_out.logits)[0]
-            return kv, ids, out.at[j].set(ids)
+            if draws is not None:
+                ids, q, history = _draw(step_out.logits, draws, j, history, ids)
+                qs = qs.at[j].set(q)
+            return kv, ids, out.at[j].set(ids), history, qs
 
-        out = jnp.zeros((num_steps, batch.block_tables.shape[0]), jnp.int32)
-        kv_caches, _, out = lax.fori_loop(0, num_steps, body, (kv_caches, batch.input_ids, out))
-        return out, kv_caches
+        out = jnp.zeros((num_steps, S), jnp.int32)
+        history = qs = None
+        if draws is not None:
+            history = draws.tensors.output_token_ids
+            qs = jnp.zeros((num_steps, S, vocab_size), jnp.float32)
+        kv_caches, _, out, _, qs = lax.fori_loop(0, num_steps, body, (kv_caches, batch.input_ids, out, history, qs))
+        return out, qs, kv_caches
 
     return jax.jit(loop, donate_argnums=(1,))
+
+
+def _draw(logits, draws: LoopDraws, j, history, argmax):
+    """Step ``j``'s drafts: each sampled row's drawn from its processed distribution q at its uniform,
+    the argmax elsewhere; q; and the history with the drafts recorded (penalties count them)."""
+    t = draws.tensors
+    num_output = draws.history_len + j
+    banned = jnp.where((num_output < draws.banned_until)[:, None], t.banned_token_ids, PAD_ID)
+    q = processed_probs(logits, dataclasses.replace(t, output_token_ids=history, banned_token_ids=banned))
+    ids = jnp.where(draws.sampled, _inverse_cdf(q, draws.uniforms[j]), argmax)
+    if history.shape[1]:  # static: only with penalties is the history kept
+        history = history.at[jnp.arange(history.shape[0]), num_output].set(ids)
+    return ids, q, history
+
+
+def loop_draws(rows: Sequence[tuple], num_rows: int, num_steps: int, vocab_size: int, uniforms: np.ndarray) -> LoopDraws:
+    """The draws of a loop over ``num_rows`` batch rows (padded) and ``num_steps`` steps. ``rows``: each
+    real row's ``(params, seed, prompt_token_ids, history)``, params None for a greedy row (the argmax);
+    ``history``: its output tokens before step 0's draft. ``uniforms`` float[num_steps, len(rows)]."""
+    from paged_jax.sampling_params import SamplingParams
+
+    greedy = SamplingParams(temperature=0)
+    # The banned ids of every row as if at its first token (min_tokens' ban, lifted in the loop) and no
+    # history: the loop's own, with room for the drafts, replaces it where penalties need it.
+    tensors = SamplingTensors.from_params([(p or greedy, s, prompt, ()) for p, s, prompt, _ in rows], vocab_size,
+                                          pad_to=num_rows, num_top=0)
+    history_len = np.zeros(num_rows, np.int32)
+    history_len[:len(rows)] = [len(h) for *_, h in rows]
+    width = pow2_bucket(int(history_len.max()) + num_steps, 16) if tensors.do_penalties else 0
+    history = np.full((num_rows, width), PAD_ID, np.int32)
+    banned_until = np.zeros(num_rows, np.int32)
+    sampled = np.zeros(num_rows, bool)
+    for r, (p, _, _, h) in enumerate(rows):
+        if p is not None:
+            sampled[r], banned_until[r] = True, p.min_tokens
+            if width:
+                history[r, :len(h)] = h
+    u = np.zeros((num_steps, num_rows), np.float32)
+    u[:, :len(rows)] = uniforms
+    return LoopDraws(dataclasses.replace(tensors, output_token_ids=history), u, sampled, history_len, banned_until)
 
 
 def loop_batch(tokens: list[int], positions: list[int], tables: list[list[int]], limits: list[int],

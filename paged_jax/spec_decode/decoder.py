@@ -141,9 +141,9 @@ class SpecDecoder:
                 row = out.scheduled[i]
                 row.num_tokens += n
                 row.block_table = self.block_manager.get_block_table(row.seq)
-                if self.draft.probs.get(i):
+                if i in self.draft.probs:
                     self.sampled[row.seq.seq_id] = sampled_drafts.SampledDrafts(
-                        np.stack(self.draft.probs[i]), sampled_drafts.row_seed(row), row.group.sampling_params.logprobs)
+                        self.draft.probs[i], sampled_drafts.row_seed(row), row.group.sampling_params.logprobs)
         else:
             for i, most in rows:
                 if room <= 0:
@@ -240,14 +240,22 @@ class SpecDecoder:
         if self.draft is not None:
             self.draft.copy_blocks(copies)
 
-    def warm_up(self, scheduler_config, progress: bool = True) -> dict:
-        """Compile the draft model's steps (method "draft_model"); returns the target runner's warm-up
+    def warm_up(self, scheduler_config, progress: bool = True, sampling_params=None) -> dict:
+        """Compile the draft model's steps (method "draft_model"), its draft loop greedy and with each
+        sampled one of ``sampling_params`` (the engine's warm-up's); returns the target runner's warm-up
         arguments for the verification steps."""
         c = scheduler_config
         if self.draft is not None:
-            self.draft.runner.warm_up(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len, progress=progress)
+            from paged_jax.sampling_params import SamplingParams
+
+            # The draft's own steps draw greedy rows and, in steps with a prompt chunk, sampled rows' first drafts.
+            plist = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params]
+            plist = [SamplingParams(temperature=0), *(p for p in plist if p is not None)]
+            self.draft.runner.warm_up(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len, plist,
+                                      progress=progress)
             off = self.config.disable_by_batch_size  # steps of that many rows never draft
-            self.draft.warm_up(c.max_num_seqs if off is None else min(c.max_num_seqs, off - 1), c.max_model_len)
+            self.draft.warm_up(c.max_num_seqs if off is None else min(c.max_num_seqs, off - 1), c.max_model_len,
+                               sampling_params)
         return {"num_speculative_tokens": self.config.num_speculative_tokens}
 
     @staticmethod

@@ -53,23 +53,38 @@ class DraftModelProposer:
         from paged_jax.executor.model_runner import make_step
 
         self.runner, self.k = runner, k
-        # Greedy drafts after the first: k one-token steps in one jitted call (executor/draft_loop.py).
-        self.loop = make_draft_loop(make_step(runner.config, runner.attn), runner.block_size, k + 1)
-        self.compiled_loops: dict = {}  # Batch.shape_key -> the loop compiled by warm_up
+        # Drafts after the first (greedy and sampled): k one-token steps in one jitted call (executor/draft_loop.py).
+        self.loop = make_draft_loop(make_step(runner.config, runner.attn), runner.block_size, k + 1,
+                                    runner.config.vocab_size)
+        self.compiled_loops: dict = {}  # _loop_key -> the loop compiled by warm_up
         self.unseeded = np.random.default_rng(runner.seed)  # unseeded requests' draws
-        self.probs: dict[int, list[np.ndarray]] = {}  # the last propose's sampled rows: q of each draft
+        self.probs: dict[int, np.ndarray] = {}  # the last propose's sampled rows: q of each draft, float32[drafts, V]
 
-    def warm_up(self, max_rows: int, max_model_len: int) -> None:
-        """Compile the draft loop for every decode step shape of up to ``max_rows`` rows."""
+    def warm_up(self, max_rows: int, max_model_len: int, sampling_params=None) -> None:
+        """Compile the draft loop for every decode step shape of up to ``max_rows`` rows: greedy, and
+        drawing with each sampled one of ``sampling_params`` (one or a list, as the engine's warm-up
+        takes them; their rows' processing is the loop's static part)."""
         import jax
 
         from paged_jax.executor.batch import Batch, warmup_shapes
+        from paged_jax.executor.draft_loop import loop_draws
+        from paged_jax.seeds import seed_for_sample
+        from paged_jax.sampling_tensors import is_greedy
 
+        plist = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params]
+        plist = [p for p in plist if p is not None and not is_greedy(p)]
         r = self.runner
         for key in warmup_shapes(max_rows, 1, max_model_len, r.block_size):
-            if key[3] == 0 and key not in self.compiled_loops:
-                limits = jax.ShapeDtypeStruct((key[1],), np.int32)
-                self.compiled_loops[key] = self.loop.lower(r.params, r.kv_caches, Batch.abstract(key), limits).compile()
+            if key[3]:
+                continue
+            batch, limits = Batch.abstract(key), jax.ShapeDtypeStruct((key[1],), np.int32)
+            draws = [None] + [loop_draws([(p, None if p.seed is None else seed_for_sample(p.seed, 0), [0], [0])] * key[1],
+                                         key[1], self.k + 1, r.config.vocab_size, np.zeros((self.k + 1, key[1])))
+                              for p in plist]
+            for d in draws:
+                loop_key = _loop_key(batch, d)
+                if loop_key not in self.compiled_loops:
+                    self.compiled_loops[loop_key] = self.loop.lower(r.params, r.kv_caches, batch, limits, d).compile()
 
     @classmethod
     def load(cls, path: str, target_runner, k: int) -> "DraftModelProposer":
@@ -103,12 +118,13 @@ class DraftModelProposer:
     def propose(self, out: "SchedulerOutput", limits: dict[int, int], block_manager: "BlockManager") -> dict[int, int]:
         """Run ``out`` on the draft model, then draft for the rows ``limits`` names (row index: most
         drafts): each draft is appended to the row's sequence and covered by its table. Returns {row
-        index: drafts appended}."""
+        index: drafts appended}; :attr:`probs` then holds each sampled row's q, one per draft."""
         from paged_jax.executor.interface import RowSampling
         from paged_jax.sampling_params import SamplingParams
 
-        if limits and not any(is_sampled(out.scheduled[i]) for i in limits) and _decode_only(out):
-            return self._propose_greedy(out, limits, None, block_manager)
+        self.probs = {}
+        if limits and _decode_only(out):  # the loop runs the step's pending tokens itself
+            return self._propose_in_loop(out, limits, None, block_manager)
         greedy = SamplingParams(temperature=0)
         # A sampled request's rows draw with its own processing and return q (``Sample.probs``).
         sampled = {i: RowSampling(out.scheduled[i].group.sampling_params, (row_seed(out.scheduled[i]),), return_probs=True)
@@ -118,46 +134,23 @@ class DraftModelProposer:
         sampling = [sampled.get(i) or RowSampling(greedy, (None,) if row.completes else ())
                     for i, row in enumerate(out.scheduled)]
         result = self.runner.execute(out, sampling)
-        tokens = {i: self._next(out.scheduled[i], result.samples[i][0]) for i in limits}
-        if not sampled:
-            return self._propose_greedy(out, limits, {i: t for i, (t, _) in tokens.items()}, block_manager)
-        counts = dict.fromkeys(limits, 0)
-        self.probs = {i: [] for i in sampled}
-        while tokens:
-            rows = []
-            for i, (token, q) in tokens.items():
-                row = out.scheduled[i]
-                if counts[i] == limits[i] or not self._append(row.seq, row.group, token, block_manager, out):
-                    continue
-                counts[i] += 1
-                if q is not None:
-                    self.probs[i].append(q)
-                # The draft model runs every draft, the last one too: when all are accepted the next step
-                # starts after it, and the draft cache needs its K/V as the target's has it.
-                seq = row.seq
-                rows.append((i, _DraftRow(seq, seq.get_len() - 1, block_manager.get_block_table(seq))))
-            if not rows:
-                break
-            from paged_jax.scheduler import SchedulerOutput
+        first = {i: self._next(out.scheduled[i], result.samples[i][0]) for i in limits}
+        return self._propose_in_loop(out, limits, first, block_manager)
 
-            step = SchedulerOutput(scheduled=[r for _, r in rows])
-            result = self.runner.execute(step, [sampled.get(i) or RowSampling(greedy, (None,)) for i, _ in rows])
-            tokens = {i: self._next(out.scheduled[i], result.samples[b][0]) for b, (i, _) in enumerate(rows)}
-        return {i: n for i, n in counts.items() if n}
-
-    def _propose_greedy(self, out: "SchedulerOutput", limits: dict[int, int], first: "dict[int, int] | None",
-                        block_manager: "BlockManager") -> dict[int, int]:
-        """Greedy rows only, in one call of the draft loop: each row's slots for its drafts first
+    def _propose_in_loop(self, out: "SchedulerOutput", limits: dict[int, int], first: "dict[int, tuple] | None",
+                         block_manager: "BlockManager") -> dict[int, int]:
+        """The rows' drafts in one call of the draft loop: each row's slots for its drafts first
         (placeholders, as many as the free blocks cover), then the loop writes their K/V (the last
-        draft's too) and gives the drafts. ``first``: each row's first draft, from the draft's run of
-        ``out``; None: ``out`` is a decode step (``_decode_only``) that the loop runs itself, its
-        every row's pending token first (a row without drafts only writes that token's K/V)."""
+        draft's too) and gives the drafts, a sampled row's drawn from its q (kept in :attr:`probs`).
+        ``first``: each row's first draft and its q (None: greedy), from the draft's run of ``out``;
+        None: ``out`` is a decode step (``_decode_only``) that the loop runs itself, its every row's
+        pending token first (a row without drafts only writes that token's K/V)."""
         from paged_jax.executor.draft_loop import loop_batch
 
         counts = {}
         for i, most in limits.items():
             row, n = out.scheduled[i], 0
-            while n < most and self._append(row.seq, row.group, 0 if first is None else first[i], block_manager, out):
+            while n < most and self._append(row.seq, row.group, 0 if first is None else first[i][0], block_manager, out):
                 n += 1
             counts[i] = n
         run = list(range(len(out.scheduled))) if first is None else [i for i in counts if counts[i]]
@@ -168,19 +161,52 @@ class DraftModelProposer:
         if first is None:  # the loop starts at the pending token: drafts come out of steps 0 .. n - 1
             tokens, positions, lim = [s.get_token_ids()[-m - 1] for s, m in zip(seqs, n)], [
                 s.get_len() - m - 1 for s, m in zip(seqs, n)], [m + 1 for m in n]
+            from_loop = n
         else:  # the loop starts at the first draft: the others come out of steps 0 .. n - 2
-            tokens, positions, lim = [first[i] for i in run], [s.get_len() - m for s, m in zip(seqs, n)], n
+            tokens, positions, lim = [first[i][0] for i in run], [s.get_len() - m for s, m in zip(seqs, n)], n
+            from_loop = [m - 1 for m in n]
         batch, lim = loop_batch(tokens, positions, [block_manager.get_block_table(s) for s in seqs], lim,
                                 self.runner.block_size)
+        drawing = [b for b, (i, d) in enumerate(zip(run, from_loop)) if d > 0 and is_sampled(out.scheduled[i])]
+        draws = self._draws([out.scheduled[i] for i in run], from_loop, drawing, batch.block_tables.shape[0])
         r = self.runner
-        loop = self.compiled_loops.get(batch.shape_key, self.loop)
-        out_tokens, r.kv_caches = loop(r.params, r.kv_caches, batch, lim)
+        loop = self.compiled_loops.get(_loop_key(batch, draws), self.loop)
+        out_tokens, qs, r.kv_caches = loop(r.params, r.kv_caches, batch, lim, draws)
         out_tokens = np.asarray(out_tokens)
-        for b, (seq, m) in enumerate(zip(seqs, n)):
-            if m:
-                drafts = list(out_tokens[:m, b]) if first is None else [tokens[b], *out_tokens[:m - 1, b]]
-                seq.output_token_ids[len(seq.output_token_ids) - m:] = [int(t) for t in drafts]
+        qs = None if qs is None else np.asarray(qs)
+        for b, (i, seq, m, d) in enumerate(zip(run, seqs, n, from_loop)):
+            if not m:
+                continue
+            drafts = list(out_tokens[:d, b]) if first is None else [tokens[b], *out_tokens[:d, b]]
+            seq.output_token_ids[len(seq.output_token_ids) - m:] = [int(t) for t in drafts]
+            if first is not None and first[i][1] is not None:
+                self.probs[i] = np.concatenate([first[i][1][None], qs[:d, b]]) if d else first[i][1][None]
+            elif b in drawing:
+                self.probs[i] = qs[:d, b]
         return {i: m for i, m in counts.items() if m}
+
+    def _draws(self, rows: list, from_loop: list[int], drawing: list[int], num_rows: int):
+        """The loop's :class:`~paged_jax.executor.draft_loop.LoopDraws` for batch rows ``rows``, of which
+        ``drawing`` sample their ``from_loop`` drafts (the others take the argmax); None when none samples.
+        Each draw's uniform is the one :meth:`_next` would take at its position (``position_rng``)."""
+        from paged_jax.executor.draft_loop import loop_draws
+
+        if not drawing:
+            return None
+        uniforms = np.zeros((self.k + 1, len(rows)))
+        specs = []
+        for b, row in enumerate(rows):
+            seq = row.seq
+            # The output before the loop's first draft: the tokens before the placeholders still to draw.
+            history = seq.output_token_ids[:len(seq.output_token_ids) - from_loop[b]]
+            if b not in drawing:
+                specs.append((None, None, (), history))
+                continue
+            seed = row_seed(row)
+            for j in range(from_loop[b]):
+                uniforms[j, b] = position_rng(seed, len(history) + j, DRAFT, self.unseeded).random()
+            specs.append((row.group.sampling_params, seed, row.seq.prompt_token_ids, history))
+        return loop_draws(specs, num_rows, self.k + 1, self.runner.config.vocab_size, uniforms)
 
     def _next(self, row, sample) -> tuple[int, "np.ndarray | None"]:
         """The row's next draft and the q it was drawn from (None: a greedy row's argmax)."""
@@ -241,3 +267,14 @@ def _decode_only(out: "SchedulerOutput") -> bool:
     """Whether ``out`` runs one pending token per row and no cache operation: the draft loop can run it."""
     return (not (out.blocks_to_swap_in or out.blocks_to_swap_out or out.blocks_to_copy)
             and all(row.num_tokens == 1 and row.completes for row in out.scheduled))
+
+
+def _loop_key(batch, draws) -> tuple:
+    """What a call of the draft loop compiles for: the batch's shape, and the draws' structure (the
+    sampler's static flags) and shapes."""
+    if draws is None:
+        return batch.shape_key, None
+    import jax
+
+    leaves, treedef = jax.tree.flatten(draws)
+    return batch.shape_key, treedef, tuple(x.shape for x in leaves)
