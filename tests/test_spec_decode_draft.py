@@ -5,11 +5,13 @@ caching), every block comes back, and a draft with another vocabulary is refused
 from __future__ import annotations
 
 import jax
+import numpy as np
 import pytest
 
 from paged_jax import LLM, SamplingParams
 from paged_jax.engine_args import EngineArgs
 from paged_jax.models.tiny import make_tiny_model
+from paged_jax.seeds import seed_for_sample
 
 PROMPTS = ["import os\nimport sys\nimport ", "def f(x):\n    return x\n\ndef g(", "for i in range(3):\n"]
 
@@ -181,3 +183,116 @@ def test_warm_up_compiles_the_draft_models_steps(tiny_llama_dir, other_draft):
     assert (engine.get_stats()["num_compilations"], draft.num_compilations) == compiled
     loop = engine.spec_decoder.draft.loop
     assert engine.spec_decoder.draft.compiled_loops and loop._cache_size() == 0  # the draft loop: warmed shapes only
+
+
+def _processed(logits: np.ndarray, p: SamplingParams, history: list[int]) -> np.ndarray:
+    """numpy, float64: a sampled row's q as the sampler defines it (min_tokens' ban of the stop ids, presence
+    and frequency penalties over the output so far, temperature, top-k, vLLM's top-p)."""
+    z = logits.astype(np.float64).copy()
+    if len(history) < p.min_tokens:
+        z[list(p.stop_token_ids)] = -np.inf
+    counts = np.bincount(history, minlength=len(z))
+    z -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
+    z /= p.temperature
+    z = np.where(z >= np.sort(z)[-p.top_k], z, -np.inf)
+    e = np.exp(z - z.max())
+    e /= e.sum()
+    keep = np.array([e[e <= x].sum() > 1 - p.top_p for x in e]) | (e == e.max())
+    e = np.where(keep, e, 0.0)
+    return e / e.sum()
+
+
+@pytest.mark.slow
+def test_sampled_and_greedy_drafts_of_the_draft_loop_against_transformers(tiny_llama_dir, other_draft):
+    """Greedy and sampled rows (penalties, min_tokens, n = 2, a max_tokens that leaves fewer than k
+    drafts) share the draft loop's calls, in steps of decodes only and in steps with a prompt chunk
+    (first draft from the draft's step, the rest from the loop). Every proposal against transformers
+    running the draft model: a greedy row's drafts are its argmax; a sampled row's q is its processed
+    distribution given the output and the drafts before (numpy), and its drafts are drawn from that q
+    at position_rng's uniforms (sampled.draw): what drafting one token at a time draws, seed for seed."""
+    import torch
+
+    from paged_jax.spec_decode import draft_model
+    from paged_jax.spec_decode.sampled import DRAFT, draw, is_sampled, position_rng, row_seed
+    from tests.hf_models import load_hf
+
+    k = 3
+    llm = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=64, max_model_len=64, max_num_seqs=4,
+              max_num_batched_tokens=32, speculative_config={"model": str(other_draft), "num_speculative_tokens": k})
+    proposer = llm.llm_engine.spec_decoder.draft
+    records, calls = [], []
+    propose, loop = proposer.propose, proposer.loop
+
+    def recording_propose(out, limits, block_manager):
+        before = {i: list(out.scheduled[i].seq.output_token_ids) for i in limits}
+        decode_only = draft_model._decode_only(out)
+        drafts = propose(out, limits, block_manager)
+        for i, n in drafts.items():
+            row = out.scheduled[i]
+            records.append((row, row.seq.prompt_token_ids, before[i], row.seq.output_token_ids[-n:],
+                            proposer.probs.get(i), decode_only, limits[i]))
+        return drafts
+
+    def recording_loop(params, kv, batch, limits, draws):
+        rows = int((np.asarray(batch.query_lens) > 0).sum())
+        calls.append(None if draws is None else np.asarray(draws.sampled)[:rows].tolist())
+        return loop(params, kv, batch, limits, draws)
+
+    proposer.propose, proposer.loop = recording_propose, recording_loop
+    sampled = dict(temperature=0.9, top_k=50, top_p=0.9, ignore_eos=True)
+    params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True),
+              SamplingParams(seed=7, max_tokens=14, presence_penalty=0.5, frequency_penalty=0.3, min_tokens=6,
+                             stop_token_ids=[5, 9], **sampled),
+              SamplingParams(n=2, seed=11, max_tokens=8, **sampled)]
+    engine = llm.llm_engine
+    engine.add_request("greedy", "import os\n", params[0])
+    engine.add_request("n2", "for i in", params[2])
+    for _ in range(3):
+        engine.step()
+    # Its prompt runs in a step beside the others' drafted decodes (as do the n = 2 forks' block copies).
+    engine.add_request("penalties", "def f(x):\n    return x\n", params[1])
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert any(c and True in c and False in c for c in calls)  # greedy and sampled rows in one loop call
+    assert any(r[5] for r in records) and any(not r[5] for r in records)  # both kinds of steps drafted
+    assert any(len(r[3]) < k for r in records)  # max_tokens left room for fewer than k drafts
+    assert {row_seed(r[0]) for r in records if r[0].group.sampling_params.n == 2} == {
+        seed_for_sample(11, 0), seed_for_sample(11, 1)}
+
+    hf = load_hf(other_draft)
+    for row, prompt, output, drafts, q, _, _ in records:
+        with torch.no_grad():
+            logits = hf(torch.tensor([prompt + output + drafts])).logits[0].numpy()
+        at = len(prompt) + len(output) - 1  # the pending token: its logits give the first draft
+        if not is_sampled(row):
+            assert q is None and drafts == [int(np.argmax(logits[at + j])) for j in range(len(drafts))]
+            continue
+        p = row.group.sampling_params
+        assert q.shape == (len(drafts), logits.shape[1])
+        for j, token in enumerate(drafts):
+            history = output + drafts[:j]
+            expected = _processed(logits[at + j], p, history)
+            np.testing.assert_allclose(q[j], expected, atol=2e-5)
+            assert token == draw(q[j], position_rng(row_seed(row), len(history), DRAFT, None))
+            assert token == draw(expected, position_rng(row_seed(row), len(history), DRAFT, None))
+    _check_all_blocks_back(llm.llm_engine)
+
+
+@pytest.mark.slow
+def test_warm_up_compiles_the_sampled_draft_loops(tiny_llama_dir, other_draft):
+    """warm_up(sampling_params) compiles the draft loop drawing with those params too: a run of sampled
+    and greedy requests then calls only loops and draft steps compiled by warm-up. (The sampler's
+    processed_probs, p and q outside the loop, still compiles on first use: StepSampler.warm_up
+    compiles ``sample`` only.)"""
+    llm = LLM(str(tiny_llama_dir), max_model_len=64, num_kv_blocks=24, max_num_seqs=3, max_num_batched_tokens=16,
+              speculative_config={"model": str(other_draft), "num_speculative_tokens": 2})
+    engine = llm.llm_engine
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=12, ignore_eos=True)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    engine.warm_up([greedy, sampled], progress=False)
+    proposer = engine.spec_decoder.draft
+    warmed, steps = dict(proposer.compiled_loops), set(proposer.runner._compiled)
+    llm.generate(PROMPTS, [sampled, greedy, sampled], use_tqdm=False)
+    assert engine.get_stats()["spec_decode"]["num_drafts"] > 0
+    assert proposer.loop._cache_size() == 0 and proposer.compiled_loops == warmed
+    assert proposer.runner._compiled == steps  # the draft's own step shapes

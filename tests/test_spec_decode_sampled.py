@@ -1,8 +1,8 @@
 """Sampled drafts (a draft model serving a sampled request): drafts drawn from the draft's processed
 distribution q, verified by the general rejection sampler against the target's p. What is emitted
 follows the target's distribution (a chi-square test on a small vocabulary through the real pieces:
-the sampler's processed_probs, the proposer's draw, SpecDecoder.verify), and the test tells a wrong q
-apart; in the engine, the target as its own draft has every sampled draft accepted (q equals p: the
+the draft loop's draws from the sampler's processed_probs, SpecDecoder.verify), and the test tells a
+wrong q apart; in the engine, the target as its own draft has every sampled draft accepted (q equals p: the
 same processing on both sides), a seeded request is reproducible, and every block comes back."""
 
 from __future__ import annotations
@@ -47,18 +47,16 @@ def reference(logits: np.ndarray, p: SamplingParams) -> np.ndarray:
     return e / e.sum()
 
 
-def emitted(n: int, q_told: np.ndarray) -> list[tuple[int, ...]]:
-    """For seeds 0..n-1: drafts drawn from the draft's q as the proposer draws them, verified by
-    SpecDecoder.verify told ``q_told``; the tokens each row emits."""
-    p, q = probs(TARGET, PARAMS), probs(DRAFT_LOGITS, PARAMS)
+def emitted(drafts: np.ndarray, q_told: np.ndarray) -> list[tuple[int, ...]]:
+    """For seeds 0..n-1: seed s's drafts ``drafts[s]`` verified by SpecDecoder.verify told ``q_told[s]``;
+    the tokens each row emits."""
+    p = probs(TARGET, PARAMS)
     decoder = SpecDecoder(SpeculativeConfig.from_dict({"model": "draft", "num_speculative_tokens": K}),
                           None, max_model_len=64, max_num_batched_tokens=64)
     out = []
-    for seed in range(n):
-        seq = Sequence(0, PROMPT, output_token_ids=list(OUTPUT))
-        for j in range(K):
-            seq.output_token_ids.append(draw(q[j], position_rng(seed, seq.get_output_len(), DRAFT, None)))
-        decoder.sampled[0] = SampledDrafts(q_told, seed, None)
+    for seed, row in enumerate(drafts):
+        seq = Sequence(0, PROMPT, output_token_ids=[*OUTPUT, *(int(t) for t in row)])
+        decoder.sampled[0] = SampledDrafts(q_told[seed], seed, None)
         got = decoder.verify(seq, K, [Sample(0, 0.0, None, probs=p[j]) for j in range(K + 1)])
         assert seq.output_token_ids == OUTPUT and seq.num_computed_tokens == seq.get_len() + len(got) - 1
         out.append(tuple(s.token_id for s in got))
@@ -84,21 +82,53 @@ def test_processed_probs_is_the_samplers_distribution():
         np.testing.assert_allclose(probs(logits[None], PARAMS)[0], reference(logits, PARAMS), atol=1e-6)
 
 
+def loop_drafts(seeds: range) -> tuple[np.ndarray, np.ndarray]:
+    """Each seed's K drafts as the proposer draws them, by the jitted draft loop (one call, a row per
+    seed, uniforms from position_rng) over a stand-in step whose logits at draft j's position are
+    DRAFT_LOGITS[j]; and the q the loop returns: int[rows, K], float[rows, K, V]."""
+    import jax.numpy as jnp
+
+    from paged_jax.executor.draft_loop import loop_batch, loop_draws, make_draft_loop
+    from paged_jax.executor.model_runner import StepOutput
+
+    start = len(PROMPT) + len(OUTPUT) - 1  # the pending token's position: step j gives draft j
+    table = jnp.asarray(np.concatenate([DRAFT_LOGITS, np.zeros((1, V), np.float32)]))
+
+    def step(params, kv, batch, all_logits):
+        return StepOutput(table[jnp.clip(batch.positions - start, 0, K)]), kv
+
+    n = len(seeds)
+    batch, limits = loop_batch([OUTPUT[-1]] * n, [start] * n, [[1, 2]] * n, [K + 1] * n, block_size=4)
+    u = np.array([[position_rng(s, len(OUTPUT) + j, DRAFT, None).random() for s in seeds] for j in range(K + 1)])
+    draws = loop_draws([(PARAMS, s, PROMPT, OUTPUT) for s in seeds], batch.block_tables.shape[0], K + 1, V, u)
+    tokens, q, _ = make_draft_loop(step, 4, K + 1, V)(None, jnp.zeros(1), batch, limits, draws)
+    return np.asarray(tokens)[:K, :n].T, np.asarray(q)[:K, :n].transpose(1, 0, 2)
+
+
 def test_sampled_drafts_emit_the_targets_distribution_and_a_wrong_q_is_told_apart():
+    """Drafts drawn by the draft loop: its q is the sampler's processed distribution, its drafts are
+    the ones drawn one at a time on the host from that q with the same seed (sampled.draw at
+    position_rng's uniform: a draft drawn outside the loop), and verified they emit the target's
+    distribution at every position."""
     n = 6000
-    q = probs(DRAFT_LOGITS, PARAMS)
-    good = emitted(n, q)
+    drafts, q = loop_drafts(range(n))
+    np.testing.assert_allclose(q, np.broadcast_to(probs(DRAFT_LOGITS, PARAMS), q.shape), atol=1e-6)
+    assert drafts.tolist() == [[draw(q[s, j], position_rng(s, len(OUTPUT) + j, DRAFT, None)) for j in range(K)]
+                               for s in range(n)]
+    good = emitted(drafts, q)
     assert min(position_pvalues(good)) > 1e-3
     assert 0.2 < np.mean([len(t) > 1 for t in good]) < 0.9  # drafts are accepted and rejected
     # The same drafts verified against a q they were not drawn from (one that thinks them uniform):
     # the first position's tokens no longer follow the target.
-    wrong = emitted(n, np.full_like(q, 1.0 / V))
+    wrong = emitted(drafts, np.full_like(q, 1.0 / V))
     assert position_pvalues(wrong)[0] < 1e-6
 
 
 def test_seeded_draws_are_reproducible_and_differ_by_seed():
-    assert emitted(50, probs(DRAFT_LOGITS, PARAMS)) == emitted(50, probs(DRAFT_LOGITS, PARAMS))
-    assert len(set(emitted(50, probs(DRAFT_LOGITS, PARAMS)))) > 5
+    drafts, q = loop_drafts(range(50))
+    again, _ = loop_drafts(range(50))
+    assert np.array_equal(drafts, again) and emitted(drafts, q) == emitted(again, q)
+    assert len({tuple(t) for t in emitted(drafts, q)}) > 5
 
 
 def test_the_target_as_its_own_sampled_draft_has_every_draft_accepted(tiny_llama_dir):
@@ -127,3 +157,27 @@ def test_the_target_as_its_own_sampled_draft_has_every_draft_accepted(tiny_llama
     engine.block_manager.reset_prefix_cache()
     bm = engine.block_manager.gpu_allocator
     assert bm.num_free_blocks == bm.num_total_blocks
+
+
+def loop_drafts(seeds: range) -> tuple[np.ndarray, np.ndarray]:
+    """Each seed's K drafts drawn by the jitted draft loop (one call, a row per seed) over a stand-in
+    step whose logits at draft j's position are DRAFT_LOGITS[j], and the q the loop returns:
+    int[rows, K], float[rows, K, V]."""
+    import jax.numpy as jnp
+
+    from paged_jax.executor.draft_loop import loop_batch, loop_draws, make_draft_loop
+    from paged_jax.executor.model_runner import StepOutput
+
+    start = len(PROMPT) + len(OUTPUT) - 1  # the pending token's position: step j gives draft j
+    table = jnp.asarray(np.concatenate([DRAFT_LOGITS, np.zeros((1, V), np.float32)]))
+
+    def step(params, kv, batch, all_logits):
+        return StepOutput(table[jnp.clip(batch.positions - start, 0, K)]), kv
+
+    n = len(seeds)
+    batch, limits = loop_batch([OUTPUT[-1]] * n, [start] * n, [[1, 2]] * n, [K + 1] * n, block_size=4)
+    u = np.array([[position_rng(s, len(OUTPUT) + j, DRAFT, None).random() for s in seeds] for j in range(K + 1)])
+    draws = loop_draws([(PARAMS, s, PROMPT, OUTPUT) for s in seeds], batch.block_tables.shape[0], K + 1, V, u)
+    tokens, q, _ = make_draft_loop(step, 4, K + 1, V)(None, jnp.zeros(1), batch, limits, draws)
+    return np.asarray(tokens)[:K, :n].T, np.asarray(q)[:K, :n].transpose(1, 0, 2)
+
