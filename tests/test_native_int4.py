@@ -62,6 +62,25 @@ def test_int4_by_int8_matches_the_q8_0_oracle(M, K, N, group):
     assert np.abs(got - exact).max() <= 0.015 * np.abs(exact).max()
 
 
+@needs_native
+def test_one_and_two_rows_over_many_panels_equal_the_row_strips_to_the_bit():
+    """At one and two rows the panels are shared between threads from both ends of the weight (the
+    calling thread from the front, the pool's from the back): over 37 panels every output column
+    equals, to the bit, the same row of a 19-row product (whose row strips share the panels by row
+    chunks), and the q8_0 oracle to float32 rounding."""
+    rng = np.random.default_rng(37)
+    q, scales, values, x = int4_case(rng, 19, 256, 37 * 48, 32)
+    panels, scale_panels = native.pack_int4_blocks(jnp.asarray(values)), native.pack_padded(jnp.asarray(scales))
+    assert panels.shape[0] == 37
+    run = jax.jit(native.linear_int4)
+    strips = np.asarray(run(jnp.asarray(x), panels, scale_panels))
+    want = q8_0_oracle(x, q, scales)
+    np.testing.assert_allclose(strips, want, rtol=0, atol=1e-6 * np.abs(want).max())
+    for first, rows in ((0, 1), (5, 2), (18, 1)):
+        got = np.asarray(run(jnp.asarray(x[first:first + rows]), panels, scale_panels))
+        np.testing.assert_array_equal(got, strips[first:first + rows])
+
+
 def test_int4_blocks_roundtrip_and_xla_fallback():
     """pack_int4_blocks keeps every value (unpack_int4_blocks gives q back, padding columns 0), and
     the XLA fallback is x @ the dequantized weight, activations as they are; bad shapes are refused
