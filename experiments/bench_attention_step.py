@@ -11,7 +11,9 @@ engine's step donates them), jitted, the best of ``--repeats`` timings of 10 cal
 - *long chunk*: 16 decodes (contexts of 41) beside a 240-token chunk ending at a 4,000-token context,
   as a long prompt's late chunk runs under chunked prefill;
 - *one block at N*: 16 decodes (contexts of 300) beside a one-block chunk ending at an N-token
-  context (``--block-chunk-contexts``): the smallest chunk a latency target runs late in a long prompt.
+  context (``--block-chunk-contexts``): a latency target's smallest whole-block chunk late in a long prompt;
+- *Q queries at N*: the same with a chunk of Q tokens (``--few-queries``, default 4): a chunk the target
+  cuts below a block when not even a block fits (fewer queries than the kernel's register tiles hold).
 
 Also printed: the first path's GFLOP/s (4 FLOP per query, key and head dimension) and K/V GB/s (each
 row's context read once).
@@ -38,6 +40,8 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--block-chunk-contexts", type=int, nargs="*", default=[4000, 16000],
                     help="also 16 decodes beside a one-block chunk ending at each of these contexts")
+    ap.add_argument("--few-queries", type=int, nargs="*", default=[4],
+                    help="also 16 decodes beside a chunk of this many tokens at each of those contexts")
     ap.add_argument("--backends", nargs="+", default=["native", "tiles", "reference"])
     a = ap.parse_args(argv)
 
@@ -78,6 +82,8 @@ def main(argv=None):
              "long chunk": [(1, 41)] * 16 + [(240, 4000)]}
     for ctx in a.block_chunk_contexts:  # a latency target's smallest chunk late in a long prompt
         steps[f"one block at {ctx:,}"] = [(1, 300)] * 16 + [(bs, ctx)]
+        for n in a.few_queries:
+            steps[f"{n} queries at {ctx:,}"] = [(1, 300)] * 16 + [(n, ctx)]
     backends = {"native": get_backend("native"), "tiles": Tiles(), "reference": get_backend("reference")}
     backends = {name: backends[name] for name in a.backends}
     print(f"one layer: {H} heads ({KVH} KV heads) of {D}, blocks of {bs}, float32; ms per call, best of "

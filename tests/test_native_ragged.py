@@ -127,6 +127,32 @@ def test_sliding_window_and_soft_cap(H, KVH, D, block_size, window, cap):
     np.testing.assert_allclose(np.asarray(native.paged_attention(*args)), want, rtol=3e-5, atol=3e-5)
 
 
+@pytest.mark.parametrize("H,KVH,D,block_size,window,cap,cache", [
+    (8, 8, 64, 16, None, None, "float32"), (8, 8, 64, 16, 100, 1.5, "float32"), (6, 3, 64, 5, 37, None, "float32"),
+    (8, 4, 128, 32, None, None, "float32"), (8, 8, 64, 16, None, None, "int8")])
+def test_few_query_rows_over_a_long_context(H, KVH, D, block_size, window, cap, cache):
+    """Rows of 1 to 7 queries (fewer query rows a KV head than half a vector: scored with the keys in
+    lanes, each key read once for all the rows) over hundreds of keys, with a window (blocks wholly
+    before every query's window poisoned) or a soft-cap, in a float32 and an int8 cache."""
+    rng = np.random.default_rng(H + KVH * 10 + D + (window or 0))
+    query_lens, contexts = [1, 2, 3, 4, 5, 6, 7], [600, 377, 509, 260, 301, 433, 550]
+    q, k, v, tables, lens, starts, qlens = ragged_case(rng, H, KVH, D, block_size, query_lens, contexts)
+    scale = 1 / math.sqrt(D)
+    if cache == "int8":
+        k, v = (kv_quant.quantize(jnp.asarray(np.nan_to_num(x, nan=0, posinf=0)), kv_quant.storage_dtype("int8", "float32"))
+                for x in (k, v))
+        want = oracle(q, numpy_dequantize(np.asarray(k), D), numpy_dequantize(np.asarray(v), D), tables, lens,
+                      starts, qlens, scale, window, cap)
+    else:
+        want = oracle(q, k, v, tables, lens, starts, qlens, scale, window, cap)
+        for s, (n, c) in enumerate(zip(query_lens, contexts)):  # then, as a windowed engine may: blocks
+            first_seen = max(0, c - n - (window or c) + 1)  # no query still sees hold anything
+            k[tables[s, :first_seen // block_size]] = np.nan
+            v[tables[s, :first_seen // block_size]] = np.nan
+    got = native.paged_attention(q, k, v, tables, lens, starts, qlens, scale, window, cap)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=3e-5, atol=3e-5)
+
+
 def test_decode_rows_are_the_decode_kernel():
     """``paged_decode`` is the ragged kernel with a query a row: the same numbers, bit for bit."""
     rng = np.random.default_rng(5)
@@ -191,6 +217,10 @@ for H, KVH, D, bs in SHAPES:
     got = np.asarray(native.paged_attention(*case, 0.25))
     checks.append((f"float32 {H}/{KVH} heads of {D}, blocks of {bs}", float(np.abs(got - oracle(*case, 0.25)).max()),
                    2e-5))
+rng = np.random.default_rng(1)
+case = ragged_case(rng, 8, 8, 64, 16, [1, 2, 4, 7], [300, 250, 410, 170])  # few queries a row: keys in lanes
+got = np.asarray(native.paged_attention(*case, 0.125))
+checks.append(("few queries a row", float(np.abs(got - oracle(*case, 0.125)).max()), 2e-5))
 for window, cap in [(7, None), (40, 2.0)]:
     args, want = window_cap_case(*SHAPES[0], window, cap)
     got = np.asarray(native.paged_attention(*args))
@@ -207,7 +237,7 @@ def _check_build(out):
     assert {"attention float32", "attention bfloat16", "attention int8 cache",
             "attention fp8 cache"} <= set(out["status"]["traced"])
     bad = [(case, err, tol) for case, err, tol in out["checks"] if not err < tol]
-    assert len(out["checks"]) == 9 and not bad, bad
+    assert len(out["checks"]) == 10 and not bad, bad
 
 
 def test_avx2_path_without_avx512(tmp_path_factory):
