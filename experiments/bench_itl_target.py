@@ -2,10 +2,13 @@
 prompts keep arriving.
 
     python experiments/bench_itl_target.py [--long 4000 16000] [--streams 16] [--budgets 64 ... 4096]
-                                           [--multiples 2 5 25] [--quick]
+                                           [--multiples 2 5 25] [--stream-tokens 128] [--quick]
 
 The model is ``bench_long_prompt.py --stutter``'s (GPT-2-shaped: 512 wide, 8 layers, vocabulary 1,024,
-random float32). The scenario, on one engine: ``--streams`` greedy requests (32-token prompts) decode;
+random float32). The scenario, on one engine: ``--streams`` greedy requests (32-token prompts) decode,
+each replaced by a fresh one after ``--stream-tokens`` tokens (default 128; 0: never), so that their
+decode step stays what it was measured at (a stream decoding for the whole window would reach over a
+thousand tokens of context, and its decode step several times the one measured at the start);
 after ``--before-steps`` steps the ``--long`` prompts arrive together, a short prompt (uniform 32 to 256
 tokens, 8 output tokens) right behind them and another every ``--short-every`` seconds until the last long
 prompt has its first token (``--short-every 0``: no short prompts). The first short prompt comes with the
@@ -19,7 +22,9 @@ long ones so that every run, however fast the machine, sees one arrive while the
 Each engine is warmed up first (``warm_up``: step shapes compiled; with a target, the cost model
 calibrated); the scenario runs once (``--runs``), and the compilations during it are counted. Printed per
 configuration: the streams' p50 / p99 / max gap while the long prompts prefill (from their arrival to the
-last one's first token; in ms and over the target), each long prompt's time to first token, the short
+last one's first token; within one stream: a new stream's first token is not a gap; in ms and over the
+target), the decode step at the start and at the end (the median step of the streams alone before the
+long prompts arrive and after every prompt has its first token), each long prompt's time to first token, the short
 prompts' p50 / p99 time to first token (from their arrival; those still waiting when the window ends
 run on to their first token) and over a short prompt's time alone (the
 median of three alone on the engine with the default budget, 256), the tokens computed per second over that window, the cost
@@ -42,29 +47,46 @@ from bench_long_prompt import STUTTER_MODEL
 
 FIGURE = Path(__file__).resolve().parent / "figures" / "itl_target.png"
 QUICK = dict(model=dict(family="gpt2", vocab_size=256, n_embd=64, n_layer=2, n_head=4), long=[300, 600], streams=4,
-             budgets=[64, 512], multiples=[5], fcfs_multiple=None, before_steps=4, short_every=0.05, short_max=64)
+             budgets=[64, 512], multiples=[5], fcfs_multiple=None, before_steps=4, short_every=0.05, short_max=64,
+             stream_tokens=32)
 
 
 def scenario(engine, a, rng, tag: str, clock=time.perf_counter) -> dict:
     """Streams decode, the long prompts arrive, short ones follow; returns gaps, first-token times, tokens.
-    ``clock``: seconds (the simulator's clock in ``notebooks/latency_target.ipynb``)."""
+    ``clock``: seconds (the simulator's clock in ``notebooks/latency_target.ipynb``).
+
+    Each stream generates at most ``a.stream_tokens`` tokens and is then replaced by a fresh one (a new
+    32-token prompt), as a serving workload's streams come and go: their decode step stays what it was
+    measured at instead of growing with their contexts. The first streams stop after 1/k, 2/k, ... of
+    ``stream_tokens`` (k streams), so that replacements come one at a time, not all in one step. A gap
+    is measured within one stream (a new stream's first token is not a gap). The decode step is the
+    median step of the streams alone before the long prompts arrive and again after every prompt
+    has its first token."""
     import numpy as np
 
     from paged_jax import SamplingParams
 
     vocab = engine.vocab_size
     greedy = dict(temperature=0, ignore_eos=True)
-    stream_ids = [f"{tag}-s{i}" for i in range(a.streams)]
-    for rid in stream_ids:
-        engine.add_request(rid, None, SamplingParams(max_tokens=100_000, **greedy), rng.integers(3, vocab, 32).tolist())
+    per_stream = getattr(a, "stream_tokens", None)  # None or 0: the streams decode to the end
+    live, ids, born = {}, {}, [0]  # request id -> stream slot; slot -> request id; streams started
+
+    def start_stream(slot: int, max_tokens: int) -> None:
+        rid = f"{tag}-s{slot}.{born[0]}"
+        born[0] += 1
+        engine.add_request(rid, None, SamplingParams(max_tokens=max_tokens, **greedy), rng.integers(3, vocab, 32).tolist())
+        live[rid], ids[slot] = slot, rid
+
+    for i in range(a.streams):
+        start_stream(i, max(2, per_stream * (i + 1) // a.streams) if per_stream else 100_000)
     longs = {f"{tag}-long{n}": rng.integers(3, vocab, n).tolist() for n in a.long}
-    counts, last, arrival, first = dict.fromkeys(stream_ids, 0), {}, {}, {}
-    gaps, decode_steps, shorts, phase, before_left = [], [], [], "start", a.before_steps
+    counts, last, arrival, first = {}, {}, {}, {}
+    gaps, decode_steps, end_steps, shorts, phase, before_left = [], [], [], [], "start", a.before_steps
     t_add = next_short = None
-    steps0 = gen0 = None
+    steps0 = gen0 = born0 = None
     while True:
         now = clock()
-        if phase == "start" and all(counts[r] >= 2 for r in stream_ids):
+        if phase == "start" and all(counts.get(rid, 0) >= 2 for rid in ids.values()):
             phase = "before"
         if phase == "before" and before_left == 0:
             for rid, p in longs.items():
@@ -72,7 +94,7 @@ def scenario(engine, a, rng, tag: str, clock=time.perf_counter) -> dict:
                 arrival[rid] = now
             # The first short prompt right behind the long ones; none at all for --short-every 0.
             t_add, next_short, phase = now, now if a.short_every > 0 else float("inf"), "during"
-            steps0, gen0 = engine.num_steps, engine.num_generated_tokens
+            steps0, gen0, born0 = engine.num_steps, engine.num_generated_tokens, born[0]
         while phase == "during" and next_short <= now:  # arrivals due by now, each at its own time
             rid = f"{tag}-short{len(shorts)}"
             prompt = rng.integers(3, vocab, int(rng.integers(32, a.short_max + 1))).tolist()
@@ -85,13 +107,17 @@ def scenario(engine, a, rng, tag: str, clock=time.perf_counter) -> dict:
         if phase == "before":
             decode_steps.append(t1 - t0)
             before_left -= 1
+        elif phase == "end":
+            end_steps.append(t1 - t0)
         for o in outs:
             n = len(o.outputs[0].token_ids)
-            if o.request_id in counts and n > counts[o.request_id]:
+            if o.request_id in live and n > counts.get(o.request_id, 0):
                 counts[o.request_id] = n
                 if phase == "during" and o.request_id in last:
                     gaps.append(t1 - last[o.request_id])
                 last[o.request_id] = t1
+                if o.finished:  # the stream is done: a fresh one takes its place
+                    start_stream(live.pop(o.request_id), per_stream)
             elif o.request_id in arrival and n and o.request_id not in first:
                 first[o.request_id] = t1 - arrival[o.request_id]
         if phase == "during" and all(rid in first for rid in longs):
@@ -99,21 +125,28 @@ def scenario(engine, a, rng, tag: str, clock=time.perf_counter) -> dict:
             # prompts that arrived keep running to their first tokens (no more arrive).
             window, phase = clock() - t_add, "after"
             served_in_window = [n for rid, n in shorts if rid in first]
-            tokens = sum(map(len, longs.values())) + sum(served_in_window) + engine.num_generated_tokens - gen0
+            tokens = (sum(map(len, longs.values())) + sum(served_in_window) + 32 * (born[0] - born0)
+                      + engine.num_generated_tokens - gen0)
             window_steps = engine.num_steps - steps0
         if phase == "after" and all(rid in first for rid, _ in shorts):
-            break
-    engine.abort_request(stream_ids + [rid for rid, _ in shorts])
+            engine.abort_request([rid for rid, _ in shorts])  # their first tokens are all they are here for
+            phase, end_left = "end", a.before_steps
+        elif phase == "end":
+            end_left -= 1
+            if end_left <= 0:
+                break
+    engine.abort_request(list(live) + [rid for rid, _ in shorts])
     while engine.has_unfinished_requests():
         engine.step()
     short_ttft = [first[rid] for rid, _ in shorts]
-    # Tokens/s over the window: the long prompts, the short ones that got their first token in it, every
-    # token generated (streams and short prompts).
-    return dict(decode_step_s=float(np.median(decode_steps)), gaps_s=[float(np.percentile(gaps, q)) for q in (50, 99)],
+    # Tokens/s over the window: the long prompts, the short ones that got their first token in it, the
+    # prompts of the streams started in it, every token generated (streams and short prompts).
+    return dict(decode_step_s=float(np.median(decode_steps)), decode_step_end_s=float(np.median(end_steps)),
+                gaps_s=[float(np.percentile(gaps, q)) for q in (50, 99)],
                 max_gap_s=max(gaps), long_ttft_s={n: first[rid] for n, rid in zip(a.long, longs)},
                 short_ttft_s=[float(np.percentile(short_ttft, q)) for q in (50, 99)] if short_ttft else None,
                 num_shorts=len(shorts), num_shorts_in_window=len(served_in_window), window_s=window,
-                tokens_per_s=tokens / window, steps=window_steps)
+                tokens_per_s=tokens / window, steps=window_steps, streams_started=born[0])
 
 
 def short_alone(engine, a, rng) -> float:
@@ -193,28 +226,32 @@ def report(rows: list[dict], a) -> str:
     d = 1e3 * rows[0]["decode_step_s"]
     longest = max(a.long)
     alone = reference(rows)["short_alone_s"]
-    lines = [f"{a.streams} streams decoding; prompts of {', '.join(f'{n:,}' for n in a.long)} tokens arrive, then a "
+    streams = (f"{a.streams} streams decoding (each replaced by a fresh one after {a.stream_tokens} tokens)"
+               if getattr(a, "stream_tokens", None) else f"{a.streams} streams decoding")
+    lines = [f"{streams}; prompts of {', '.join(f'{n:,}' for n in a.long)} tokens arrive, then a "
              f"short prompt (32-{a.short_max} tokens) right behind them and every {a.short_every:g} s until the last one's "
              f"first token. "
-             f"Decode step alone: {d:.1f} ms; a {a.short_max}-token prompt alone (budget {reference(rows)['budget']}): "
+             f"Decode step alone (the first row, before the long prompts): {d:.1f} ms; a {a.short_max}-token prompt alone (budget {reference(rows)['budget']}): "
              f"{alone:.2f} s.", "",
              "| mode | policy | target (ms) | gap p50 / p99 / max (ms) | p99 / target | max / target | "
              + " | ".join(f"TTFT {n:,} (s)" for n in a.long)
              + " | short TTFT p50 / p99 (s) | short p99 / alone | shorts served in the window | tokens/s | steps "
-             "| prediction error | compiles |", "|---|---|---:|---:|---:|---:|" + "---:|" * len(a.long) + "---:|" * 7]
+             "| prediction error | decode step start / end (ms) | compiles |",
+             "|---|---|---:|---:|---:|---:|" + "---:|" * len(a.long) + "---:|" * 8]
     for r in rows:
         mode = f"budget {r['budget']}" if r["mode"] == "budget" else f"target {r['multiple']:g}x decode step"
         t = r["target_ms"]
         over = ("-", "-") if t is None else (f"{1e3 * r['gaps_s'][1] / t:.2f}", f"{1e3 * r['max_gap_s'] / t:.2f}")
         short = r["short_ttft_s"]
         err = f"{100 * r['prediction_error']:.0f} %" if r.get("prediction_error") is not None else "-"
+        end = f"{1e3 * r['decode_step_end_s']:.1f}" if r.get("decode_step_end_s") is not None else "-"
         lines.append(
             f"| {mode} | {r['policy']} | {'-' if t is None else f'{t:.1f}'} | {1e3 * r['gaps_s'][0]:.1f} / "
             f"{1e3 * r['gaps_s'][1]:.1f} / {1e3 * r['max_gap_s']:.1f} | {over[0]} | {over[1]} | "
             + " | ".join(f"{r['long_ttft_s'][n]:.2f}" for n in a.long)
             + (f" | {short[0]:.2f} / {short[1]:.2f} | {short[1] / alone:.1f}x" if short else " | - | -")
             + f" | {r.get('num_shorts_in_window', r.get('num_shorts_served'))}/{r['num_shorts']} | {r['tokens_per_s']:,.0f} | {r['steps']} | {err} "
-            f"| {r['compiled']} |")
+            f"| {1e3 * r['decode_step_s']:.1f} / {end} | {r['compiled']} |")
     lines.append(f"\nFigure: {a.figure} (time to first token of the {longest:,}-token prompt against the streams' "
                  "p99 gap).")
     return "\n".join(lines)
@@ -259,6 +296,9 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--long", type=int, nargs="+", default=[4000, 16000], help="the long prompts' tokens")
     ap.add_argument("--streams", type=int, default=16)
+    ap.add_argument("--stream-tokens", type=int, default=128,
+                    help="tokens each stream generates before a fresh one (a new 32-token prompt) replaces it "
+                         "(0: the streams decode to the end, their contexts growing)")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="the engines' (fewer step shapes to compile)")
     ap.add_argument("--budgets", type=int, nargs="*", default=[64, 128, 256, 512, 1024, 2048, 4096])
     ap.add_argument("--multiples", type=float, nargs="*", default=[2, 5, 25],

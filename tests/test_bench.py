@@ -120,5 +120,8 @@ def test_itl_target_benchmark_quick(tmp_path, capsys):
     text = capsys.readouterr().out
     assert [(r["mode"], r["policy"]) for r in rows] == [("budget", "FCFS"), ("budget", "FCFS"), ("target", "ShortFirst")]
     assert all(r["short_ttft_s"] and r["num_shorts"] > 0 and r["tokens_per_s"] > 0 for r in rows)
+    # Streams of at most 32 tokens: fresh ones replaced them (4 at the start), the decode step measured at both ends.
+    assert all(r["streams_started"] > 4 and r["decode_step_end_s"] > 0 for r in rows)
     assert "| target 5x decode step | ShortFirst |" in text and figure.stat().st_size > 10_000
+    assert "each replaced by a fresh one after 32 tokens" in text
     assert figure.with_suffix(".json").exists()
