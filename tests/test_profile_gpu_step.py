@@ -24,6 +24,7 @@ PROMPTS = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16, 17]]
 def test_copy_counter_counts_sampler_calls_and_the_arrays_each_way(tiny_llama_dir):
     llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=32, block_size=16, max_model_len=64)
     engine = llm.llm_engine
+    engine.runner.run_ahead = False  # one step call per engine step, so that both runs send the same batches
     counter = profile_gpu_step.CopyCounter(engine.runner)
     seen = {}
     for temperature in (0.0, 1.0):

@@ -15,6 +15,7 @@ import time
 from typing import NamedTuple, Optional, Sequence
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from paged_jax import envs
@@ -23,6 +24,7 @@ from paged_jax.executor import executable_cache
 from paged_jax.executor.batch import Batch, prepare_batch, split_steps, tile_capacity, warmup_shapes
 from paged_jax.executor.draft_rows import drafts_as_rows, verification_chunks, verification_tiles
 from paged_jax.executor.interface import RowSampling, StepResult, check_sampling
+from paged_jax.executor.run_ahead import AheadStep, next_decode_batch, same_step
 from paged_jax.executor.sampling import StepSampler
 from paged_jax.memory import cache_ops
 from paged_jax.models import compute_logits, forward
@@ -128,7 +130,10 @@ def make_step(config: ModelConfig, attn, kv_layout=None):
         logits = compute_logits(params, config, hidden[batch.last_token])
         if logits.size > GREEDY_IN_STEP_MAX_LOGITS and jax.default_backend() in GREEDY_IN_STEP_BOUNDED_PLATFORMS:
             return StepOutput(logits), kv_caches
-        return StepOutput(logits, *greedy_tokens(logits)), kv_caches
+        ids, logprobs = greedy_tokens(logits)
+        # Padded rows' argmax is 0, their input id: a step run ahead on these ids is the step the
+        # engine prepares (paged_jax.executor.run_ahead).
+        return StepOutput(logits, jnp.where(batch.query_lens > 0, ids, 0), logprobs), kv_caches
 
     return step
 
@@ -182,6 +187,11 @@ class ModelRunner:
         self.executable_cache = executable_cache.for_runner(config, self.attn, self.params, self.kv_caches, mesh,
                                                             compile_cache_dir)
         self.timings = {"prepare": 0.0, "cache_ops": 0.0, "device": 0.0, "sample": 0.0}
+        # The next decode step, dispatched before this one's tokens are read (paged_jax.executor.run_ahead):
+        # on one device, one layer group; the engine turns it off with speculative decoding.
+        self.run_ahead = mesh is None and self.kv_layout is None
+        self._ahead: Optional[AheadStep] = None
+        self.num_steps_run_ahead = 0  # steps whose outputs were taken from a step run ahead
 
     @property
     def num_compilations(self) -> int:
@@ -269,6 +279,13 @@ class ModelRunner:
             return lower().compile()
         return self.executable_cache.get(batch.shape_key, all_logits, lower)
 
+    def _dispatch_ahead(self, batch: Batch, out: SchedulerOutput, sampling: Sequence[RowSampling], ids) -> None:
+        """Dispatch the decode step after ``batch`` (rows ``out.scheduled``), its input ids ``ids`` (the
+        device's argmax of ``batch``), when it is known now (:func:`next_decode_batch`)."""
+        nxt = next_decode_batch(batch, out, sampling, self.block_size, ids)
+        if nxt is not None:
+            self._ahead = AheadStep(nxt, ids, self.run_step(nxt))
+
     # ---- one engine step -----------------------------------------------------
     def execute(self, out: SchedulerOutput, sampling: Sequence[RowSampling] = (),
                 eos_token_id: Optional[int] = None) -> StepResult:
@@ -301,7 +318,12 @@ class ModelRunner:
         # One ragged batch for the whole step (split only if its prefills need more query tiles
         # than its token bucket holds: many short prompts at once; a verification step has room for all).
         capacity = verification_tiles if verifying else tile_capacity
-        for part in ([list(range(len(chunks)))] if verifying else split_steps(chunks)):
+        parts = [list(range(len(chunks)))] if verifying else split_steps(chunks)
+        # The step run ahead by the last call, if any: taken below if this is that step, else dropped.
+        ahead, self._ahead = self._ahead, None
+        if all_logits or len(parts) > 1 or out.blocks_to_swap_in or out.blocks_to_swap_out or out.blocks_to_copy:
+            ahead = None
+        for part in parts:
             t1 = time.perf_counter()
             batch = prepare_batch([chunks[i] for i in part], self.block_size, capacity=capacity)
             t2 = time.perf_counter()
@@ -310,14 +332,20 @@ class ModelRunner:
             # runs it the host builds the sampling arrays and queues the sampler behind it, so that
             # this host work and the sampler's dispatch hide under the step (at small batches they
             # were a tenth of the step). The one wait is for the samples.
-            step_out = self.run_step(batch, all_logits=all_logits)
+            if ahead is not None and same_step(ahead, batch):
+                step_out = ahead.step_out  # dispatched by the last call, running or done
+                self.num_steps_run_ahead += 1
+            else:
+                step_out = self.run_step(batch, all_logits=all_logits)
             t3 = time.perf_counter()
             pending = self.sampler.dispatch(out, sampling, [owners[c] for c in part], step_out, batch, all_logits,
                                             eos_token_id, self.drafts_as_rows)
             t4 = time.perf_counter()
+            if self.run_ahead and len(parts) == 1 and self.sampler.reads_step_argmax(pending, step_out):
+                self._dispatch_ahead(batch, out, sampling, step_out.greedy_ids)
             # Waiting for the step here (the sampler is already queued behind it) costs no overlap and
-            # keeps the device time apart from sampling's: "device" is the step's dispatch plus what is
-            # left of it once the host work above is done.
+            # keeps the device time apart from sampling's: "device" is the step's dispatch (and the next
+            # step's, run ahead) plus what is left of the step once the host work above is done.
             jax.block_until_ready(step_out)
             t5 = time.perf_counter()
             self.timings["device"] += (t3 - t2) + (t5 - t4)

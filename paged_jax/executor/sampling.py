@@ -150,6 +150,11 @@ class StepSampler:
         return picks, range(len(picks)), drawn, self._call("processed_probs", processed_probs, rows_logits, tensors)
 
     @staticmethod
+    def reads_step_argmax(pending, step_out) -> bool:
+        """Whether :meth:`dispatch` answered every sample with the step's own argmax (``pending``, its answer)."""
+        return pending is not None and pending[2][0] is step_out.greedy_ids
+
+    @staticmethod
     def collect(sampling: Sequence[RowSampling], pending, result: StepResult) -> None:
         """Wait for the samples queued by :meth:`dispatch` and add them to ``result``."""
         if pending is None:
