@@ -245,8 +245,8 @@ def test_sampled_and_greedy_drafts_of_the_draft_loop_against_transformers(tiny_l
                              stop_token_ids=[5, 9], **sampled),
               SamplingParams(n=2, seed=11, max_tokens=8, **sampled)]
     engine = llm.llm_engine
+    engine.add_request("n2", "for i in", params[2])  # rows 0 and 1, then the greedy request's when they finish
     engine.add_request("greedy", "import os\n", params[0])
-    engine.add_request("n2", "for i in", params[2])
     for _ in range(3):
         engine.step()
     # Its prompt runs in a step beside the others' drafted decodes (as do the n = 2 forks' block copies).
