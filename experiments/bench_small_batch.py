@@ -13,8 +13,9 @@ runs against llama.cpp (512 wide, 8 layers, intermediate 1,408); ``124m`` the GP
 from ``engine.get_stats()["timings"]`` (schedule, prepare, device, sample, process). Beside it, the
 jitted step alone (``ModelRunner.run_batch`` on a decode batch at the runs' mean context, waited for,
 the best of 50 calls). Where the revision's step returns greedy tokens (``paged_jax.executor.sampling``),
-every other run in the same child sends them through the sampler instead, the path before; the last
-two columns are the median step times of the two paths' runs in that child. The floor is ``experiments/roofline.py``'s: the larger of FLOPs over the
+runs in the same child also send them through the sampler instead, the path before, and where it runs
+the next decode step ahead (``paged_jax.executor.run_ahead``) runs also go without; the paths take turns
+run by run, and the last three columns are the median step times of each path's runs in that child. The floor is ``experiments/roofline.py``'s: the larger of FLOPs over the
 matmul rate and bytes (weights, K/V at the mean context, logits) over the read bandwidth, both
 measured in this run; "of floor" is floor / step time.
 
@@ -60,14 +61,18 @@ def child(tree: str, model: str, batches: list[int], a) -> dict:
         step_sampling = None
     argmax_only = getattr(step_sampling, "batch_is_argmax_only", None)
     results = {}
+    # Runs cycle through the paths this revision has, in one process: greedy tokens from the step (the
+    # default), through the sampler (the path before), and with no decode step run ahead.
+    modes = ["step"] + (["sampler"] if argmax_only else []) + (["no_run_ahead"] if hasattr(runner, "run_ahead") else [])
     for b in batches:
-        best, times = None, {False: [], True: []}  # step ms of every run, by path (True: via the sampler)
-        # The first run compiles the shapes it reaches. Where greedy tokens come from the step, every
-        # other run sends them through the sampler instead (the path before), in the same process.
-        for run in range(2 * a.runs + 1 if argmax_only else a.runs + 1):
-            sampler_path = argmax_only is not None and run % 2 == 0
+        best, times = None, {m: [] for m in modes}  # step ms of every run, by path
+        # The first run compiles the shapes it reaches.
+        for run in range(len(modes) * a.runs + 1):
+            mode = modes[run % len(modes)]
             if argmax_only is not None:
-                step_sampling.batch_is_argmax_only = (lambda *args: False) if sampler_path else argmax_only
+                step_sampling.batch_is_argmax_only = (lambda *args: False) if mode == "sampler" else argmax_only
+            if "no_run_ahead" in modes:
+                runner.run_ahead = mode != "no_run_ahead"
             for i in range(b):
                 engine.add_request(f"b{b}r{run}s{i}", None, params,
                                    prompt_token_ids=rng.integers(3, vocab, a.prompt_len).tolist())
@@ -83,15 +88,18 @@ def child(tree: str, model: str, batches: list[int], a) -> dict:
                 continue
             r = {"step_ms": 1e3 * wall / steps, "tokens_per_s": b * steps / wall,
                  **{k + "_ms": 1e3 * (after[k] - before[k]) / steps for k in PARTS}}
-            times[sampler_path].append(r["step_ms"])
-            if not sampler_path and (best is None or r["step_ms"] < best["step_ms"]):
+            times[mode].append(r["step_ms"])
+            if mode == "step" and (best is None or r["step_ms"] < best["step_ms"]):
                 best = r
         if argmax_only is not None:
             step_sampling.batch_is_argmax_only = argmax_only
+        if "no_run_ahead" in modes:
+            runner.run_ahead = True
         # Medians, the runs alternating: a loaded machine slows some runs of either path by far more
         # than the difference, which a best-of figure then shows as whichever path was luckier.
-        best["median_ms"] = float(np.median(times[False]))
-        best["median_via_sampler_ms"] = float(np.median(times[True])) if times[True] else None
+        best["median_ms"] = float(np.median(times["step"]))
+        best["median_via_sampler_ms"] = float(np.median(times["sampler"])) if times.get("sampler") else None
+        best["median_no_run_ahead_ms"] = float(np.median(times["no_run_ahead"])) if times.get("no_run_ahead") else None
         # The jitted step alone, at the runs' mean context (blocks past the pool's first are fine:
         # nothing else runs now).
         context = a.prompt_len + a.output_len // 2
@@ -178,8 +186,8 @@ def main(argv=None):
           f"{a.output_len} out; floor at context {context}: float32 matmul {rate / 1e9:.0f} GFLOP/s, "
           f"memory read {bw / 1e9:.1f} GB/s (measured now)\n")
     print("| model | batch | rev | tokens/s | step ms | of floor | schedule | prepare | device | sample | process "
-          "| step alone ms | alone of floor | median step ms | median, greedy via the sampler |"
-          "\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| step alone ms | alone of floor | median step ms | median, greedy via the sampler | median, no run-ahead |"
+          "\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in models:
         for b in a.batches:
             for rev in trees:
@@ -188,7 +196,8 @@ def main(argv=None):
                       f"{100 * f / r['step_ms']:.0f}% | " + " | ".join(f"{r[k + '_ms']:.2f}" for k in PARTS)
                       + f" | {r['step_alone_ms']:.2f} | {100 * f / r['step_alone_ms']:.0f}% | "
                       + f"{r['median_ms']:.2f} | "
-                      + (f"{r['median_via_sampler_ms']:.2f} |" if r.get("median_via_sampler_ms") else "- |"))
+                      + (f"{r['median_via_sampler_ms']:.2f} |" if r.get("median_via_sampler_ms") else "- |")
+                      + (f" {r['median_no_run_ahead_ms']:.2f} |" if r.get("median_no_run_ahead_ms") else " - |"))
     print(f"\nfloor ms: " + ", ".join(f"{n} batch {b}: {floor[n][b]:.2f}" for n in models for b in a.batches))
 
 
