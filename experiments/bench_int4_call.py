@@ -17,6 +17,10 @@ panels (the thread pool's wake-up and join on top), one panel at K = 512 and 1,4
 activations and one panel's dot loop). Every call's input is the previous one's output (a slice,
 or three copies for the down projection: one small XLA fusion a call, the same for every kernel).
 
+``--one-core``: instead, ``bench_int4_one_core.cc`` (one thread's loop over the same shapes, thread
+CPU time, beside a plain read of the same bytes and the activations' quantizing alone) built against
+each version.
+
 ``--before REV`` and ``--source NAME=FILE`` build other versions of ``linear_int4.cc`` (from a git
 revision, with its ``parallel.h``, or a file beside this checkout's ``parallel.h``) into their own
 libraries, registered under their own names, and time them interleaved with the checkout's kernel
@@ -42,13 +46,8 @@ SHAPES = {"qkv": (512, 1536), "o": (512, 512), "gate_up": (512, 2816), "down": (
 NATIVE = Path(bench_common.ROOT) / "paged_jax" / "native"
 
 
-def build_version(name: str, source: str, tmp: Path) -> str:
-    """Compile one linear_int4.cc (a git revision's or a file) alone into a library, register its
-    handler as ``paged_jax_linear_q4i8_<name>``; returns the target's name."""
-    import jax.ffi
-
-    from paged_jax.native import build
-
+def version_dir(name: str, source: str, tmp: Path) -> Path:
+    """A folder holding ``source``'s linear_int4.cc (a git revision's or a file) and its parallel.h."""
     d = tmp / name
     d.mkdir()
     if Path(source).is_file():
@@ -59,10 +58,28 @@ def build_version(name: str, source: str, tmp: Path) -> str:
             text = subprocess.run(["git", "-C", str(bench_common.ROOT), "show", f"{source}:paged_jax/native/{f}"],
                                   check=True, capture_output=True, text=True).stdout
             (d / f).write_text(text)
+    return d
+
+
+def compile_with(what: list, out: Path, *extra) -> None:
+    """The native build's compiler and flags (``PAGED_JAX_NATIVE_FLAGS`` included) on ``what``."""
+    import jax.ffi
+
+    from paged_jax.native import build
+
     cxx = shlex.split(shutil.which("g++") or shutil.which("c++") or "c++")
+    flags = [f for f in build._flags() if f not in ("-shared", "-fPIC")] if extra else build._flags()
+    subprocess.run([*cxx, *flags, *extra, f"-I{jax.ffi.include_dir()}", *map(str, what), "-o", str(out)], check=True)
+
+
+def build_version(name: str, source: str, tmp: Path) -> str:
+    """Compile one linear_int4.cc (a git revision's or a file) alone into a library, register its
+    handler as ``paged_jax_linear_q4i8_<name>``; returns the target's name."""
+    import jax.ffi
+
+    d = version_dir(name, source, tmp)
     lib = d / "lib.so"
-    subprocess.run([*cxx, *build._flags(), f"-I{jax.ffi.include_dir()}", str(d / "linear_int4.cc"), "-o", str(lib)],
-                   check=True)
+    compile_with([d / "linear_int4.cc"], lib)
     target = f"paged_jax_linear_q4i8_{name}"
     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(ctypes.cdll.LoadLibrary(str(lib)).LinearQ4I8), platform="cpu")
     return target
@@ -109,6 +126,20 @@ def best_time(f, args, calls: int = 5) -> float:
     return best
 
 
+def one_core(sources: dict, tmp: Path, mb: float, repeats: int) -> None:
+    """bench_int4_one_core.cc built against each version's linear_int4.cc, run alternately, its lines printed."""
+    bins = {}
+    for i, (name, source) in enumerate(sources.items()):
+        d = version_dir(f"one_core{i}", source, tmp) if source else NATIVE
+        bins[name] = tmp / f"one_core{i}.bin"
+        compile_with([Path(__file__).with_name("bench_int4_one_core.cc")], bins[name],
+                     f"-DKERNEL=\"{d / 'linear_int4.cc'}\"")
+    for r in range(max(1, repeats // 2)):
+        for name, path in bins.items():
+            out = subprocess.run([str(path), str(mb), "5"], check=True, capture_output=True, text=True).stdout
+            print(f"{name}: {out.strip()}")
+
+
 def step_times(targets: dict, tmp: Path, repeats: int, best: dict) -> None:
     """Into ``best[version, "decode step, batch 1"]``: the jitted step's best seconds over ``repeats``
     rounds of 50 steps, one runner per version (its kernel's target put in at tracing), alternating."""
@@ -149,6 +180,9 @@ def main(argv=None):
     ap.add_argument("--step", action="store_true",
                     help="also the jitted decode step at batch 1 (bench_llamacpp.py's LLaMA, quantization=\"int4\") "
                          "with each version's kernel, the versions alternating")
+    ap.add_argument("--one-core", action="store_true",
+                    help="only bench_int4_one_core.cc: one thread's loop against a plain read of the same bytes "
+                         "(versions whose Panel<W> takes the prefetch distance, as the checkout's)")
     ap.add_argument("--cases", help="only the cases whose names contain one of these (comma-separated) words")
     a = ap.parse_args(argv)
 
@@ -161,6 +195,10 @@ def main(argv=None):
     assert native.available(), native.status()
     targets = {"checkout": native.INT4_TARGET[0]}
     with tempfile.TemporaryDirectory() as tmp:
+        if a.one_core:
+            sources = {"checkout": None, **({f"before ({a.before})": a.before} if a.before else {}),
+                       **dict(spec.partition("=")[::2] for spec in a.source)}
+            return one_core(sources, Path(tmp), a.mb, a.repeats)
         if a.before:
             targets[f"before ({a.before})"] = build_version("before", a.before, Path(tmp))
         for i, spec in enumerate(a.source):
