@@ -10,7 +10,8 @@ runs against llama.cpp (512 wide, 8 layers, intermediate 1,408); ``124m`` the GP
 (``LLM`` with default options) runs ``batch`` greedy requests (``--prompt-len`` random tokens,
 ``--output-len`` tokens each, EOS ignored) through ``LLMEngine.step`` and times the decode steps
 (the prefill step left out), ``--runs`` times; the fastest run is kept, with its split of the step
-from ``engine.get_stats()["timings"]`` (schedule, prepare, device, sample, process). Beside it, the
+from ``engine.get_stats()["timings"]`` (schedule, prepare, device, sample, process), and the device's
+idle time between steps (:class:`DeviceIdle`). Beside it, the
 jitted step alone (``ModelRunner.run_batch`` on a decode batch at the runs' mean context, waited for,
 the best of 50 calls). Where the revision's step returns greedy tokens (``paged_jax.executor.sampling``),
 runs in the same child also send them through the sampler instead, the path before, and where it runs
@@ -39,6 +40,35 @@ TINY = dict(family="gpt2", vocab_size=1024, n_embd=512, n_layer=8, n_head=8)
 PARTS = ("schedule", "prepare", "device", "sample", "process")
 
 
+class DeviceIdle:
+    """The time the device had nothing to run between steps, as the host sees it: from a step found
+    done (the runner's wait for it returned) with no step run ahead queued behind it
+    (``paged_jax.executor.run_ahead``), to the next step's dispatch (``ModelRunner.run_step``)."""
+
+    def __init__(self, runner):
+        import jax
+
+        self.seconds, self._since = 0.0, None
+        run_step, wait = runner.run_step, jax.block_until_ready
+
+        def dispatch(*args, **kw):
+            if self._since is not None:
+                self.seconds += time.perf_counter() - self._since
+                self._since = None
+            return run_step(*args, **kw)
+
+        def waited(x):
+            out = wait(x)
+            if getattr(runner, "_ahead", None) is None:
+                self._since = time.perf_counter()
+            return out
+
+        runner.run_step, jax.block_until_ready = dispatch, waited
+
+    def reset(self):
+        self.seconds, self._since = 0.0, None
+
+
 def child(tree: str, model: str, batches: list[int], a) -> dict:
     """Decode steps with ``tree``'s paged_jax (first on the path); one result per batch size."""
     sys.path.insert(0, tree)
@@ -60,6 +90,7 @@ def child(tree: str, model: str, batches: list[int], a) -> dict:
     except ImportError:
         step_sampling = None
     argmax_only = getattr(step_sampling, "batch_is_argmax_only", None)
+    idle = DeviceIdle(runner)
     results = {}
     # Runs cycle through the paths this revision has, in one process: greedy tokens from the step (the
     # default), through the sampler (the path before), and with no decode step run ahead.
@@ -78,6 +109,7 @@ def child(tree: str, model: str, batches: list[int], a) -> dict:
                                    prompt_token_ids=rng.integers(3, vocab, a.prompt_len).tolist())
             engine.step()  # the prompts' prefill
             before = engine.get_stats()["timings"]
+            idle.reset()
             steps, t = 0, time.perf_counter()
             while engine.has_unfinished_requests():
                 engine.step()
@@ -86,7 +118,7 @@ def child(tree: str, model: str, batches: list[int], a) -> dict:
             after = engine.get_stats()["timings"]
             if run == 0:
                 continue
-            r = {"step_ms": 1e3 * wall / steps, "tokens_per_s": b * steps / wall,
+            r = {"step_ms": 1e3 * wall / steps, "tokens_per_s": b * steps / wall, "idle_ms": 1e3 * idle.seconds / steps,
                  **{k + "_ms": 1e3 * (after[k] - before[k]) / steps for k in PARTS}}
             times[mode].append(r["step_ms"])
             if mode == "step" and (best is None or r["step_ms"] < best["step_ms"]):
@@ -186,15 +218,15 @@ def main(argv=None):
           f"{a.output_len} out; floor at context {context}: float32 matmul {rate / 1e9:.0f} GFLOP/s, "
           f"memory read {bw / 1e9:.1f} GB/s (measured now)\n")
     print("| model | batch | rev | tokens/s | step ms | of floor | schedule | prepare | device | sample | process "
-          "| step alone ms | alone of floor | median step ms | median, greedy via the sampler | median, no run-ahead |"
-          "\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+          "| device idle ms | step alone ms | alone of floor | median step ms | median, greedy via the sampler "
+          "| median, no run-ahead |\n|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name in models:
         for b in a.batches:
             for rev in trees:
                 r, f = results[(name, b, rev)], floor[name][b]
                 print(f"| {name} | {b} | {rev} | {r['tokens_per_s']:.0f} | {r['step_ms']:.2f} | "
                       f"{100 * f / r['step_ms']:.0f}% | " + " | ".join(f"{r[k + '_ms']:.2f}" for k in PARTS)
-                      + f" | {r['step_alone_ms']:.2f} | {100 * f / r['step_alone_ms']:.0f}% | "
+                      + f" | {r['idle_ms']:.2f} | {r['step_alone_ms']:.2f} | {100 * f / r['step_alone_ms']:.0f}% | "
                       + f"{r['median_ms']:.2f} | "
                       + (f"{r['median_via_sampler_ms']:.2f} |" if r.get("median_via_sampler_ms") else "- |")
                       + (f" {r['median_no_run_ahead_ms']:.2f} |" if r.get("median_no_run_ahead_ms") else " - |"))
