@@ -219,14 +219,15 @@ class ModelRunner:
 
     def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                 sampling_params=None, eos_token_id: Optional[int] = None, progress: bool = True,
-                num_speculative_tokens: int = 0) -> int:
+                num_speculative_tokens: int = 0, return_probs: bool = False) -> int:
         """Compile up front every step shape a run can reach (see :func:`warmup_shapes`),
         ahead of time (nothing runs on the device), and the sampler for every row bucket
         with ``sampling_params`` (default: greedy). With ``num_speculative_tokens`` (speculative
         decoding) also the verification steps (:func:`verification_chunks`): decode shapes of up to a
         row per token of the step, or the prefill shapes computing every token's logits; and the
-        sampler and row selection for up to one sampler row per token. Returns the number of step
-        shapes compiled."""
+        sampler and row selection for up to one sampler row per token. ``return_probs``: the
+        sampled params' processed distributions too (a draft model's sampled drafts). Returns the
+        number of step shapes compiled."""
         max_rows = max_num_seqs  # sampler rows; with drafts, up to one per token of the step
         if num_speculative_tokens:
             max_rows = max(max_num_seqs, min(max_num_batched_tokens, max_num_seqs * (num_speculative_tokens + 1)))
@@ -252,7 +253,8 @@ class ModelRunner:
             if bar is not None:
                 bar.close()
         # The sampler for every row bucket, and the row selection out of each prefill shape's logits.
-        self.sampler.warm_up(max_rows, [t for (t, _, _, tiles), _ in shapes if tiles], sampling_params, eos_token_id)
+        self.sampler.warm_up(max_rows, [t for (t, _, _, tiles), _ in shapes if tiles], sampling_params, eos_token_id,
+                             return_probs)
         return len(shapes)
 
     def _call(self, name: str, fn, *args):

@@ -66,9 +66,10 @@ class StepSampler:
         return sample._cache_size() + _take_rows._cache_size()
 
     def warm_up(self, max_rows: int, prefill_rows: Sequence[int], sampling_params=None,
-                eos_token_id: Optional[int] = None) -> None:
+                eos_token_id: Optional[int] = None, return_probs: bool = False) -> None:
         """Compile the sampler for every row bucket up to ``max_rows`` with ``sampling_params`` (one or
-        a list; default greedy), and the row selection out of each step with ``prefill_rows`` logits rows."""
+        a list; default greedy), and the row selection out of each step with ``prefill_rows`` logits rows.
+        ``return_probs``: the sampled params' processed distributions too (``RowSampling.return_probs``)."""
         from paged_jax.sampling_params import SamplingParams
 
         plist = [sampling_params or SamplingParams(temperature=0)]
@@ -83,6 +84,8 @@ class StepSampler:
                                                       eos_token_id=eos_token_id, engine_seed=self.seed, step=0,
                                                       num_top=pow2_bucket(p.logprobs) if p.logprobs else 0)
                 jax.block_until_ready(self._call("sample", sample, logits, tensors))
+                if return_probs and not tensors.all_greedy:
+                    jax.block_until_ready(self._call("processed_probs", processed_probs, logits, tensors))
             n *= 2
         # A step with prefill tokens has as many logits rows as tokens (one per possible sequence):
         # its sampled rows are taken out of them (``_take_rows``), for every bucket of rows sampled.

@@ -252,11 +252,12 @@ class SpecDecoder:
             plist = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params]
             plist = [SamplingParams(temperature=0), *(p for p in plist if p is not None)]
             self.draft.runner.warm_up(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len, plist,
-                                      progress=progress)
+                                      progress=progress, return_probs=True)
             off = self.config.disable_by_batch_size  # steps of that many rows never draft
             self.draft.warm_up(c.max_num_seqs if off is None else min(c.max_num_seqs, off - 1), c.max_model_len,
                                sampling_params)
-        return {"num_speculative_tokens": self.config.num_speculative_tokens}
+        # A draft model's sampled drafts are verified against the target's processed distributions.
+        return {"num_speculative_tokens": self.config.num_speculative_tokens, "return_probs": self.draft is not None}
 
     @staticmethod
     def check_request(params: "SamplingParams") -> None:
