@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import os
 import shlex
 import shutil
 import subprocess
@@ -153,6 +154,8 @@ def step_times(targets: dict, tmp: Path, repeats: int, best: dict) -> None:
     model = str(make_tiny_model(tmp / "model", **MODEL))
     runs = {}
     saved = native.build.INT4_TARGET
+    # compiled steps on disk are keyed without the kernel's target: each version's step compiled here
+    os.environ["PAGED_JAX_NO_EXECUTABLE_CACHE"] = "1"
     try:
         for t, target in targets.items():
             native.build.INT4_TARGET = (target, saved[1])
