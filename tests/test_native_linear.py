@@ -357,21 +357,23 @@ def test_fp8_weights_match_numpy(M, scales, act):
 @needs_native
 @pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
 def test_register_tiles_and_float_slabs_agree_to_the_bit(fmt):
-    """Rows 0-3, 0-6 and 0-7 of a 12-row product (float32 slabs) equal the same rows run alone
-    (register tiles of 4, 7 and 8 rows)."""
+    """Rows 0, 0-1, 0-3, 0-6 and 0-7 of a 12-row product (float32 slabs) equal the same rows run
+    alone (register tiles of 1, 2, 4, 7 and 8 rows; with AVX-512 the tiles of 1 and 2 rows run two of
+    the three 48-column panels at once, and the third alone)."""
     from paged_jax.weights import QuantizedLinear
 
     rng = np.random.default_rng(len(fmt))
     if fmt == "fp8":
-        values = jnp.asarray(rng.standard_normal((256, 96)) * 8, dtype=jnp.float8_e4m3fn)
-        p = QuantizedLinear(values, jnp.asarray(rng.uniform(0.01, 0.1, (2, 96)).astype(np.float32)), in_features_=256)
+        values = jnp.asarray(rng.standard_normal((256, 144)) * 8, dtype=jnp.float8_e4m3fn)
+        p = QuantizedLinear(values, jnp.asarray(rng.uniform(0.01, 0.1, (2, 144)).astype(np.float32)), in_features_=256)
     else:
-        p, _ = _quantized(rng, 256, 96, 8 if fmt == "int8" else 4, 2, zero=True)
+        p, _ = _quantized(rng, 256, 144, 8 if fmt == "int8" else 4, 2, zero=fmt == "int4")
     panels, scales, zeros, _ = pack_quantized(p)
     x = jnp.asarray(rng.standard_normal((12, 256)).astype(np.float32))
     f = jax.jit(native.linear_quantized, static_argnums=3)
     slabs = np.asarray(f(x, panels, scales, p.bits, zeros))
-    for M in (4, 7, 8):
+    assert panels.shape[0] == 3
+    for M in (1, 2, 4, 7, 8):
         np.testing.assert_array_equal(slabs[:M], np.asarray(f(x[:M], panels, scales, p.bits, zeros)))
 
 

@@ -105,8 +105,13 @@ constexpr int64_t RegisterRows() {
 }
 
 template <QFormat F>
+inline int64_t QRowAt(int64_t k, int64_t W) {  // where weight row k starts in a panel's bytes
+  return F == QFormat::kInt4 ? (k / 2) * W : k * W;
+}
+
+template <QFormat F>
 inline const uint8_t* QRow(const uint8_t* panel, int64_t k, int64_t W) {
-  return F == QFormat::kInt4 ? panel + (k / 2) * W : panel + k * W;
+  return panel + QRowAt<F>(k, W);
 }
 
 template <QFormat F>
@@ -175,79 +180,100 @@ inline __m256 QLoad8(const uint8_t* row, int64_t k, int64_t c, __m256 scale, __m
 }
 #endif
 
-// Register tile: y[0:R, 0:W] = x[0:R, 0:K] @ the panel, dequantized as it is read.
-template <int R, int W, QFormat F, bool Zero>
-inline void QTile(const float* x, int64_t ldx, const QPanelView& q, float* y, int64_t ldy, int64_t K) {
-  const int64_t G = K / q.group;
+// Register tile: y[0:R, 0:NP * W] = x[0:R, 0:K] @ NP panels side by side (q[0 .. NP - 1], their
+// outputs adjacent), dequantized as they are read. Why several panels: at one or two rows a panel's
+// 2-3 sums per row are too few to keep the multiply-add units busy (each waits on its own previous
+// add: the tile ran at the latency of that chain, one k per 4 cycles), and the panels' sums are
+// independent. Each output still sums over k in order, so the result is the same to the bit.
+template <int R, int W, QFormat F, bool Zero, int NP = 1>
+inline void QTile(const float* x, int64_t ldx, const QPanelView* q, float* y, int64_t ldy, int64_t K) {
+  const int64_t group = q[0].group, G = K / group;
+  // each panel's stream prefetches kPrefetch floats' bytes ahead of itself; past its own panel's end
+  // (where the next of these NP panels is being read already), the same place in the next NP panels
+  const int64_t panel_bytes = (F == QFormat::kInt4 ? K / 2 : K) * W, ahead = 4 * kPrefetch;
 #if defined(PAGED_JAX_AVX512)
   constexpr int V = W / 16;
-  __m512 acc[R][V];
+  __m512 acc[R][NP * V];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) acc[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < NP * V; ++v) acc[r][v] = _mm512_setzero_ps();
   for (int64_t g = 0; g < G; ++g) {
-    __m512 sv[V], zv[V];
-    for (int v = 0; v < V; ++v) {
-      sv[v] = _mm512_loadu_ps(q.scales + g * W + 16 * v);
-      zv[v] = Zero ? _mm512_loadu_ps(q.zeros + g * W + 16 * v) : _mm512_setzero_ps();
-    }
-    for (int64_t k = g * q.group; k < (g + 1) * q.group; ++k) {
-      const uint8_t* row = QRow<F>(q.values, k, W);
-      __builtin_prefetch(row + 4 * kPrefetch, 0, 3);
-      __m512 bv[V];
-      for (int v = 0; v < V; ++v) bv[v] = QLoad<F, Zero>(row, k, v, sv[v], zv[v]);
+    __m512 sv[NP * V], zv[NP * V];
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < V; ++v) {
+        sv[p * V + v] = _mm512_loadu_ps(q[p].scales + g * W + 16 * v);
+        zv[p * V + v] = Zero ? _mm512_loadu_ps(q[p].zeros + g * W + 16 * v) : _mm512_setzero_ps();
+      }
+    for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+      const int64_t at = QRowAt<F>(k, W);
+      const int64_t skip = at + ahead >= panel_bytes ? (NP - 1) * panel_bytes : 0;
+      __m512 bv[NP * V];
+      for (int p = 0; p < NP; ++p) {
+        const uint8_t* row = q[p].values + at;
+        __builtin_prefetch(row + ahead + skip, 0, 3);
+        for (int v = 0; v < V; ++v) bv[p * V + v] = QLoad<F, Zero>(row, k, v, sv[p * V + v], zv[p * V + v]);
+      }
       for (int r = 0; r < R; ++r) {
         const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
-        for (int v = 0; v < V; ++v) acc[r][v] = _mm512_fmadd_ps(a, bv[v], acc[r][v]);
+        for (int v = 0; v < NP * V; ++v) acc[r][v] = _mm512_fmadd_ps(a, bv[v], acc[r][v]);
       }
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < V; ++v) _mm512_storeu_ps(y + r * ldy + 16 * v, acc[r][v]);
+    for (int v = 0; v < NP * V; ++v) _mm512_storeu_ps(y + r * ldy + 16 * v, acc[r][v]);
 #elif defined(PAGED_JAX_AVX2)
   // one row: the whole panel width at once; up to 6 rows: 16-column strips (R x 2 accumulators, as
   // Tile); 7 or 8 rows: 8-column strips, so that the accumulators stay within the 16 registers
   // (8 x 2 spilled, measured 1.2x slower than these at 8 rows)
   constexpr int C = R == 1 ? W : R > 6 ? 8 : kStrip, V = C / 8;
   for (int c0 = 0; c0 < W; c0 += C) {
-    __m256 acc[R][V];
+    __m256 acc[R][NP * V];
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < V; ++v) acc[r][v] = _mm256_setzero_ps();
+      for (int v = 0; v < NP * V; ++v) acc[r][v] = _mm256_setzero_ps();
     for (int64_t g = 0; g < G; ++g) {
-      __m256 sv[V], zv[V];
-      for (int v = 0; v < V; ++v) {
-        sv[v] = _mm256_loadu_ps(q.scales + g * W + c0 + 8 * v);
-        zv[v] = Zero ? _mm256_loadu_ps(q.zeros + g * W + c0 + 8 * v) : _mm256_setzero_ps();
-      }
-      for (int64_t k = g * q.group; k < (g + 1) * q.group; ++k) {
-        const uint8_t* row = QRow<F>(q.values, k, W);
-        if (c0 == 0) __builtin_prefetch(row + 4 * kPrefetch, 0, 3);
-        __m256 bv[V];
-        for (int v = 0; v < V; ++v) bv[v] = QLoad8<F, Zero>(row, k, c0 + 8 * v, sv[v], zv[v]);
+      __m256 sv[NP * V], zv[NP * V];
+      for (int p = 0; p < NP; ++p)
+        for (int v = 0; v < V; ++v) {
+          sv[p * V + v] = _mm256_loadu_ps(q[p].scales + g * W + c0 + 8 * v);
+          zv[p * V + v] = Zero ? _mm256_loadu_ps(q[p].zeros + g * W + c0 + 8 * v) : _mm256_setzero_ps();
+        }
+      for (int64_t k = g * group; k < (g + 1) * group; ++k) {
+        const int64_t at = QRowAt<F>(k, W);
+        const int64_t skip = at + ahead >= panel_bytes ? (NP - 1) * panel_bytes : 0;
+        __m256 bv[NP * V];
+        for (int p = 0; p < NP; ++p) {
+          const uint8_t* row = q[p].values + at;
+          if (c0 == 0) __builtin_prefetch(row + ahead + skip, 0, 3);
+          for (int v = 0; v < V; ++v)
+            bv[p * V + v] = QLoad8<F, Zero>(row, k, c0 + 8 * v, sv[p * V + v], zv[p * V + v]);
+        }
         for (int r = 0; r < R; ++r) {
           const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
-          for (int v = 0; v < V; ++v) acc[r][v] = _mm256_fmadd_ps(a, bv[v], acc[r][v]);
+          for (int v = 0; v < NP * V; ++v) acc[r][v] = _mm256_fmadd_ps(a, bv[v], acc[r][v]);
         }
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < V; ++v) _mm256_storeu_ps(y + r * ldy + c0 + 8 * v, acc[r][v]);
+      for (int p = 0; p < NP; ++p)
+        for (int v = 0; v < V; ++v) _mm256_storeu_ps(y + r * ldy + p * W + c0 + 8 * v, acc[r][p * V + v]);
   }
 #else
-  float acc[R][W] = {};
-  for (int64_t k = 0; k < K; ++k) {
-    const uint8_t* row = QRow<F>(q.values, k, W);
-    const float* sc = q.scales + (k / q.group) * W;
-    const float* zc = Zero ? q.zeros + (k / q.group) * W : nullptr;
-    float b[W];
-    for (int c = 0; c < W; ++c) b[c] = (Zero ? QValue<F>(row, k, c) - zc[c] : QValue<F>(row, k, c)) * sc[c];
-    for (int r = 0; r < R; ++r) {
-      const float a = x[r * ldx + k];
+  for (int p = 0; p < NP; ++p) {  // the compiler's own vectors: one panel at a time
+    float acc[R][W] = {};
+    for (int64_t k = 0; k < K; ++k) {
+      const uint8_t* row = QRow<F>(q[p].values, k, W);
+      const float* sc = q[p].scales + (k / group) * W;
+      const float* zc = Zero ? q[p].zeros + (k / group) * W : nullptr;
+      float b[W];
+      for (int c = 0; c < W; ++c) b[c] = (Zero ? QValue<F>(row, k, c) - zc[c] : QValue<F>(row, k, c)) * sc[c];
+      for (int r = 0; r < R; ++r) {
+        const float a = x[r * ldx + k];
 #pragma omp simd
-      for (int c = 0; c < W; ++c) acc[r][c] += a * b[c];
+        for (int c = 0; c < W; ++c) acc[r][c] += a * b[c];
+      }
     }
+    for (int r = 0; r < R; ++r)
+      for (int c = 0; c < W; ++c) y[r * ldy + p * W + c] = acc[r][c];
   }
-  for (int r = 0; r < R; ++r)
-    for (int c = 0; c < W; ++c) y[r * ldy + c] = acc[r][c];
 #endif
 }
 
@@ -274,33 +300,55 @@ void Dequantize(const QPanelView& q, int64_t k0, int64_t k1, float* out) {
   }
 }
 
+// Register tiles of R rows over np panels at once (QTile's NP): 2 with AVX-512 where both panels'
+// accumulators, weights, scales (and zero points) fit its 32 registers. AVX2 keeps one: 16
+// registers (measured at one row, 32 columns: two panels spilled and ran 0.6x as fast).
 template <int W, QFormat F, bool Zero>
-void QPanel(const float* x, int64_t m0, int64_t m1, int64_t K, const QPanelView& q, float* y, int64_t N) {
+constexpr int TilePanels(int R) {
+#if defined(PAGED_JAX_AVX512)
+  return 2 * (W / 16) * (R + 2 + Zero) + 1 <= 32 ? 2 : 1;
+#else
+  return 1;
+#endif
+}
+
+template <int R, int W, QFormat F, bool Zero>
+inline void QTiles(const float* x, int64_t ldx, const QPanelView* q, int np, float* y, int64_t ldy, int64_t K) {
+  constexpr int NP = TilePanels<W, F, Zero>(R);
+  int p = 0;
+  for (; p + NP <= np; p += NP) QTile<R, W, F, Zero, NP>(x, ldx, q + p, y + p * W, ldy, K);
+  for (; p < np; ++p) QTile<R, W, F, Zero>(x, ldx, q + p, y + p * W, ldy, K);
+}
+
+// Rows m0 .. m1 of y = x @ np adjacent panels (q[0 .. np - 1], outputs adjacent from y).
+template <int W, QFormat F, bool Zero>
+void QPanels(const float* x, int64_t m0, int64_t m1, int64_t K, const QPanelView* q, int np, float* y, int64_t N) {
   const float* xs = x + m0 * K;  // register tiles
   float* ys = y + m0 * N;
   if (m1 - m0 <= RegisterRows<F>()) {  // all the rows in one tile: each weight converted once
     static_assert(RegisterRows<F>() <= 8, "register tiles of up to 8 rows");
     switch (m1 - m0) {
-      case 8: QTile<8, W, F, Zero>(xs, K, q, ys, N, K); break;
-      case 7: QTile<7, W, F, Zero>(xs, K, q, ys, N, K); break;
-      case 6: QTile<6, W, F, Zero>(xs, K, q, ys, N, K); break;
-      case 5: QTile<5, W, F, Zero>(xs, K, q, ys, N, K); break;
-      case 4: QTile<4, W, F, Zero>(xs, K, q, ys, N, K); break;
-      case 3: QTile<3, W, F, Zero>(xs, K, q, ys, N, K); break;
-      case 2: QTile<2, W, F, Zero>(xs, K, q, ys, N, K); break;
-      default: QTile<1, W, F, Zero>(xs, K, q, ys, N, K); break;
+      case 8: QTiles<8, W, F, Zero>(xs, K, q, np, ys, N, K); break;
+      case 7: QTiles<7, W, F, Zero>(xs, K, q, np, ys, N, K); break;
+      case 6: QTiles<6, W, F, Zero>(xs, K, q, np, ys, N, K); break;
+      case 5: QTiles<5, W, F, Zero>(xs, K, q, np, ys, N, K); break;
+      case 4: QTiles<4, W, F, Zero>(xs, K, q, np, ys, N, K); break;
+      case 3: QTiles<3, W, F, Zero>(xs, K, q, np, ys, N, K); break;
+      case 2: QTiles<2, W, F, Zero>(xs, K, q, np, ys, N, K); break;
+      default: QTiles<1, W, F, Zero>(xs, K, q, np, ys, N, K); break;
     }
     return;
   }
   alignas(64) float slab[kSlab * W];
-  for (int64_t k0 = 0; k0 < K; k0 += kSlab) {
-    const int64_t k1 = std::min(K, k0 + kSlab);
-    Dequantize<W, F, Zero>(q, k0, k1, slab);
-    if (k0 == 0)
-      Tiles<W, false>(x + k0, K, m0, m1, slab, y, N, k1 - k0, false);
-    else
-      Tiles<W, true>(x + k0, K, m0, m1, slab, y, N, k1 - k0, false);
-  }
+  for (int p = 0; p < np; ++p)
+    for (int64_t k0 = 0; k0 < K; k0 += kSlab) {
+      const int64_t k1 = std::min(K, k0 + kSlab);
+      Dequantize<W, F, Zero>(q[p], k0, k1, slab);
+      if (k0 == 0)
+        Tiles<W, false>(x + k0, K, m0, m1, slab, y + p * W, N, k1 - k0, false);
+      else
+        Tiles<W, true>(x + k0, K, m0, m1, slab, y + p * W, N, k1 - k0, false);
+    }
 }
 
 template <QFormat F>
@@ -325,17 +373,23 @@ ffi::Error QImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w
   const float* zs = zd[1] ? zeros.typed_data() : nullptr;
   float* ys = y->typed_data();
   const int64_t N = P * W;
-  ForEachPanelChunk(pool, M, P, [=](int64_t p, int64_t m0, int64_t m1) {
-    const QPanelView q{ws + p * rows_stored * W, ss + p * G * W, zs ? zs + p * G * W : nullptr, K / G};
-    float* out = ys + p * W;
-#define PAGED_JAX_QPANEL(w)                                                              \
-  (zs ? QPanel<w, F, true>(xs, m0, m1, K, q, out, N) : QPanel<w, F, false>(xs, m0, m1, K, q, out, N))
+  // work units of two adjacent panels where the rows fit one register tile (QTile's NP)
+  const int64_t per = M <= RegisterRows<F>() ? 2 : 1;
+  ForEachPanelChunk(pool, M, (P + per - 1) / per, [=](int64_t u, int64_t m0, int64_t m1) {
+    const int64_t p0 = u * per;
+    const int np = static_cast<int>(std::min(per, P - p0));
+    QPanelView q[2];
+    for (int i = 0; i < np; ++i)
+      q[i] = {ws + (p0 + i) * rows_stored * W, ss + (p0 + i) * G * W, zs ? zs + (p0 + i) * G * W : nullptr, K / G};
+    float* out = ys + p0 * W;
+#define PAGED_JAX_QPANELS(w)                                                                   \
+  (zs ? QPanels<w, F, true>(xs, m0, m1, K, q, np, out, N) : QPanels<w, F, false>(xs, m0, m1, K, q, np, out, N))
     switch (W) {
-      case 48: PAGED_JAX_QPANEL(48); break;
-      case 32: PAGED_JAX_QPANEL(32); break;
-      default: PAGED_JAX_QPANEL(16); break;
+      case 48: PAGED_JAX_QPANELS(48); break;
+      case 32: PAGED_JAX_QPANELS(32); break;
+      default: PAGED_JAX_QPANELS(16); break;
     }
-#undef PAGED_JAX_QPANEL
+#undef PAGED_JAX_QPANELS
   });
   return ffi::Error::Success();
 }
