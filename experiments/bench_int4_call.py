@@ -185,7 +185,7 @@ def main(argv=None):
                          "with each version's kernel, the versions alternating")
     ap.add_argument("--one-core", action="store_true",
                     help="only bench_int4_one_core.cc: one thread's loop against a plain read of the same bytes "
-                         "(versions whose Panel<W> takes the prefetch distance, as the checkout's)")
+                         "(versions whose Panel<W> is called as the checkout's)")
     ap.add_argument("--cases", help="only the cases whose names contain one of these (comma-separated) words")
     a = ap.parse_args(argv)
 

@@ -43,9 +43,9 @@ float MatmulRow(const Weight& m, const float* x, float* y) {
     const uint8_t* panel = m.panels.data() + p * m.K * m.W / 2;
     const float* sc = m.scales.data() + p * (m.K / 32) * m.W;
     if (m.W == 48)
-      Panel<48>(a, 0, 1, panel, sc, 32, y + p * m.W, m.N, kAhead);
+      Panel<48>(a, 0, 1, panel, sc, 32, y + p * m.W, m.N);
     else
-      Panel<32>(a, 0, 1, panel, sc, 32, y + p * m.W, m.N, kAhead);
+      Panel<32>(a, 0, 1, panel, sc, 32, y + p * m.W, m.N);
   }
   return y[0];
 }

@@ -64,10 +64,10 @@ def test_int4_by_int8_matches_the_q8_0_oracle(M, K, N, group):
 
 @needs_native
 def test_one_and_two_rows_over_many_panels_equal_the_row_strips_to_the_bit():
-    """At one and two rows the panels are shared between threads from both ends of the weight (the
-    calling thread from the front, the pool's from the back): over 37 panels every output column
-    equals, to the bit, the same row of a 19-row product (whose row strips share the panels by row
-    chunks), and the q8_0 oracle to float32 rounding."""
+    """One and two rows run over a panel's whole width at once (the weights read once), the panels
+    shared between threads in ranges: over 37 panels every output column equals, to the bit, the
+    same row of a 19-row product (register strips one vector wide), and the q8_0 oracle to float32
+    rounding."""
     rng = np.random.default_rng(37)
     q, scales, values, x = int4_case(rng, 19, 256, 37 * 48, 32)
     panels, scale_panels = native.pack_int4_blocks(jnp.asarray(values)), native.pack_padded(jnp.asarray(scales))

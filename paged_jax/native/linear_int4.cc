@@ -24,12 +24,9 @@
 // vpmaddwd by ones per block. Elsewhere the portable loops compute the same.
 
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
-#include <memory>
-#include <thread>
 #include <vector>
 
 #include "parallel.h"
@@ -110,7 +107,7 @@ inline int32_t Quad(const int8_t* p) {
 // vectors of columns; scales: the panel's [G, W], group rows per scale.
 template <int R, int V, int W>
 inline void Tile(const QuantizedRows& a, int64_t row, const uint8_t* panel, const float* scales, int64_t group,
-                 float* y, int64_t ldy, int64_t c0, int64_t ahead) {
+                 float* y, int64_t ldy, int64_t c0, bool prefetch) {
   const int64_t K = a.K, B = K / kBlock;
 #if defined(PAGED_JAX_VNNI)
   const __m512i low = _mm512_set1_epi8(0x0F);
@@ -125,8 +122,8 @@ inline void Tile(const QuantizedRows& a, int64_t row, const uint8_t* panel, cons
       for (int v = 0; v < V; ++v) isum[r][v] = hsum[r][v] = _mm512_setzero_si512();
     for (int64_t k8 = 4 * b; k8 < 4 * b + 4; ++k8) {
       const uint8_t* p = panel + k8 * W * 4 + 4 * c0;
-      if (ahead)
-        for (int off = 0; off < V * 64; off += 64) __builtin_prefetch(p + ahead + off, 0, 3);
+      if (prefetch)
+        for (int off = 0; off < V * 64; off += 64) __builtin_prefetch(p + kAhead + off, 0, 3);
       __m512i lo[V], hi[V];
       for (int v = 0; v < V; ++v) {
         const __m512i wv = _mm512_loadu_si512(p + 64 * v);
@@ -164,8 +161,8 @@ inline void Tile(const QuantizedRows& a, int64_t row, const uint8_t* panel, cons
       for (int v = 0; v < V; ++v) isum[r][v] = _mm256_setzero_si256();
     for (int64_t k8 = 4 * b; k8 < 4 * b + 4; ++k8) {
       const uint8_t* p = panel + k8 * W * 4 + 4 * c0;
-      if (ahead)
-        for (int off = 0; off < V * 32; off += 64) __builtin_prefetch(p + ahead + off, 0, 3);
+      if (prefetch)
+        for (int off = 0; off < V * 32; off += 64) __builtin_prefetch(p + kAhead + off, 0, 3);
       __m256i lo[V], hi[V];
       for (int v = 0; v < V; ++v) {
         const __m256i wv = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 32 * v));
@@ -195,7 +192,7 @@ inline void Tile(const QuantizedRows& a, int64_t row, const uint8_t* panel, cons
 #else
   constexpr int C = V * 8;
   float acc[R][C] = {};
-  (void)ahead;
+  (void)prefetch;
   for (int64_t b = 0; b < B; ++b) {
     int32_t isum[R][C] = {};
     for (int64_t k = b * kBlock; k < (b + 1) * kBlock; ++k) {
@@ -234,51 +231,20 @@ constexpr int kWholeRows = 2;
 // weights read once, in order), more in strips one vector wide (kRows rows at a time).
 template <int R, int W>
 void Strips(const QuantizedRows& a, int64_t row, const uint8_t* panel, const float* scales, int64_t group, float* y,
-            int64_t ldy, int64_t ahead) {
+            int64_t ldy, bool prefetch) {
   if (R <= kWholeRows) {
-    Tile<R, W / kLane, W>(a, row, panel, scales, group, y, ldy, 0, ahead);
+    Tile<R, W / kLane, W>(a, row, panel, scales, group, y, ldy, 0, prefetch);
   } else {
-    for (int64_t c0 = 0; c0 < W; c0 += kLane) Tile<R, 1, W>(a, row, panel, scales, group, y, ldy, c0, c0 ? 0 : ahead);
+    for (int64_t c0 = 0; c0 < W; c0 += kLane) Tile<R, 1, W>(a, row, panel, scales, group, y, ldy, c0, prefetch && !c0);
   }
-}
-
-// Runs fn(i, back) for every i in [0, n) once: the calling thread takes i = 0, 1, 2, ... and the
-// pool's threads n - 1, n - 2, ... until they meet. With one pool thread (2 cores) each reads one
-// contiguous stream; a thread that starts late (a pool thread takes microseconds to start) just
-// takes fewer; the last to finish waits for one item at most (fixed ranges left the calling thread
-// waiting ~3 us of a 10-18 us call, in the decode step at batch 1).
-template <typename F>
-void FrontAndBack(xla::ffi::ThreadPool& pool, int64_t n, F fn) {
-  struct State {
-    explicit State(F f, int64_t n) : fn(std::move(f)), n(n) {}
-    F fn;
-    const int64_t n;
-    std::atomic<uint64_t> taken{0};  // items taken from the front (low half) and from the back (high half)
-    std::atomic<int64_t> done{0};
-  };
-  auto st = std::make_shared<State>(std::move(fn), n);
-  auto work = [](State& s, bool back) {
-    for (uint64_t t = s.taken.load(std::memory_order_relaxed);;) {
-      const int64_t front = t & 0xFFFFFFFFu, from_back = t >> 32;
-      if (front + from_back >= s.n) return;
-      if (!s.taken.compare_exchange_weak(t, t + (back ? uint64_t{1} << 32 : 1))) continue;
-      s.fn(back ? s.n - 1 - from_back : front, back);
-      s.done.fetch_add(1, std::memory_order_release);
-      t = s.taken.load(std::memory_order_relaxed);
-    }
-  };
-  const int64_t workers = std::min<int64_t>(std::max<int64_t>(1, pool.num_threads() - 1), n - 1);
-  for (int64_t i = 0; i < workers; ++i) pool.Schedule([st, work] { work(*st, true); });
-  work(*st, false);
-  while (st->done.load(std::memory_order_acquire) < n) std::this_thread::yield();
 }
 
 template <int W>
 void Panel(const QuantizedRows& a, int64_t m0, int64_t m1, const uint8_t* panel, const float* scales, int64_t group,
-           float* y, int64_t N, int64_t ahead) {
+           float* y, int64_t N) {
   for (int64_t m = m0; m < m1; m += kRows) {
     float* ys = y + m * N;
-    const int64_t pf = m == m0 ? ahead : 0;  // the first pass reads the panel from memory
+    const bool pf = m == m0;  // the first pass reads the panel from memory
     switch (std::min<int64_t>(kRows, m1 - m)) {
       case 8: Strips<8, W>(a, m, panel, scales, group, ys, N, pf); break;
       case 7: Strips<7, W>(a, m, panel, scales, group, ys, N, pf); break;
@@ -313,21 +279,14 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::
   const float* ss = scales.typed_data();
   float* ys = y->typed_data();
   const int64_t N = P * W, group = K / G;
-  // ahead: where prefetches go, past the position read: the stream's next bytes, or (panels taken
-  // from the back) the same place in the panel before
-  auto run = [=](int64_t p, int64_t m0, int64_t m1, int64_t ahead) {
+  paged_jax_native::ForEachPanelChunk(pool, M, P, [=](int64_t p, int64_t m0, int64_t m1) {
     const uint8_t* panel = ws + p * K * W / 2;
     switch (W) {
-      case 48: Panel<48>(a, m0, m1, panel, ss + p * G * W, group, ys + p * W, N, ahead); break;
-      case 32: Panel<32>(a, m0, m1, panel, ss + p * G * W, group, ys + p * W, N, ahead); break;
-      default: Panel<16>(a, m0, m1, panel, ss + p * G * W, group, ys + p * W, N, ahead); break;
+      case 48: Panel<48>(a, m0, m1, panel, ss + p * G * W, group, ys + p * W, N); break;
+      case 32: Panel<32>(a, m0, m1, panel, ss + p * G * W, group, ys + p * W, N); break;
+      default: Panel<16>(a, m0, m1, panel, ss + p * G * W, group, ys + p * W, N); break;
     }
-  };
-  if (M <= kWholeRows) {
-    FrontAndBack(pool, P, [=](int64_t p, bool back) { run(p, 0, M, back ? -K * W / 2 : kAhead); });
-  } else {
-    paged_jax_native::ForEachPanelChunk(pool, M, P, [=](int64_t p, int64_t m0, int64_t m1) { run(p, m0, m1, kAhead); });
-  }
+  });
   return ffi::Error::Success();
 }
 
