@@ -7,6 +7,8 @@ same processing on both sides), a seeded request is reproducible, and every bloc
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 from scipy import stats
@@ -82,26 +84,38 @@ def test_processed_probs_is_the_samplers_distribution():
         np.testing.assert_allclose(probs(logits[None], PARAMS)[0], reference(logits, PARAMS), atol=1e-6)
 
 
-def loop_drafts(seeds: range) -> tuple[np.ndarray, np.ndarray]:
-    """Each seed's K drafts as the proposer draws them, by the jitted draft loop (one call, a row per
-    seed, uniforms from position_rng) over a stand-in step whose logits at draft j's position are
-    DRAFT_LOGITS[j]; and the q the loop returns: int[rows, K], float[rows, K, V]."""
+@functools.cache
+def stand_in_loop():
+    """The jitted draft loop over a stand-in step whose logits at draft j's position are DRAFT_LOGITS[j]
+    (the pending token's position: step j gives draft j)."""
     import jax.numpy as jnp
 
-    from paged_jax.executor.draft_loop import loop_batch, loop_draws, make_draft_loop
+    from paged_jax.executor.draft_loop import make_draft_loop
     from paged_jax.executor.model_runner import StepOutput
 
-    start = len(PROMPT) + len(OUTPUT) - 1  # the pending token's position: step j gives draft j
     table = jnp.asarray(np.concatenate([DRAFT_LOGITS, np.zeros((1, V), np.float32)]))
 
     def step(params, kv, batch, all_logits):
-        return StepOutput(table[jnp.clip(batch.positions - start, 0, K)]), kv
+        return StepOutput(table[jnp.clip(batch.positions - START, 0, K)]), kv
+
+    return make_draft_loop(step, 4, K + 1, V)
+
+
+START = len(PROMPT) + len(OUTPUT) - 1
+
+
+def loop_drafts(seeds: range) -> tuple[np.ndarray, np.ndarray]:
+    """Each seed's K drafts as the proposer draws them, by the draft loop (one call, a row per seed,
+    uniforms from position_rng), and the q it returns: int[rows, K], float[rows, K, V]."""
+    import jax.numpy as jnp
+
+    from paged_jax.executor.draft_loop import loop_batch, loop_draws
 
     n = len(seeds)
-    batch, limits = loop_batch([OUTPUT[-1]] * n, [start] * n, [[1, 2]] * n, [K + 1] * n, block_size=4)
+    batch, limits = loop_batch([OUTPUT[-1]] * n, [START] * n, [[1, 2]] * n, [K + 1] * n, block_size=4)
     u = np.array([[position_rng(s, len(OUTPUT) + j, DRAFT, None).random() for s in seeds] for j in range(K + 1)])
     draws = loop_draws([(PARAMS, s, PROMPT, OUTPUT) for s in seeds], batch.block_tables.shape[0], K + 1, V, u)
-    tokens, q, _ = make_draft_loop(step, 4, K + 1, V)(None, jnp.zeros(1), batch, limits, draws)
+    tokens, q, _ = stand_in_loop()(None, jnp.zeros(1), batch, limits, draws)
     return np.asarray(tokens)[:K, :n].T, np.asarray(q)[:K, :n].transpose(1, 0, 2)
 
 
