@@ -132,3 +132,28 @@ def test_on_load_int4_runs_the_integer_kernel_and_the_rest_keeps_float32():
               QuantizedLinear(values[:20], jnp.ones((1, 48), jnp.float32), bits=4, in_features_=40)):
         assert not int4_int8_packable(p)
         assert not to_panels({"w": p}, int4_int8=True)["w"].int8_activations
+
+
+@needs_native
+@pytest.mark.slow
+def test_bench_int4_call_compares_versions_bit_for_bit(tmp_path):
+    """experiments/bench_int4_call.py builds other versions of the kernel beside the checkout's and
+    times them only when their outputs equal the checkout's to the bit: the checkout's own source
+    passes, one whose integer sums are off by one activation block's sum is refused by name."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    source = (root / "paged_jax" / "native" / "linear_int4.cc").read_text()
+    off = tmp_path / "off.cc"
+    off.write_text(source.replace("8 * a.s[", "7 * a.s["))
+    assert off.read_text() != source
+    cmd = [sys.executable, str(root / "experiments" / "bench_int4_call.py"), "--mb", "1", "--repeats", "1",
+           "--cases", "fixed"]
+    same = subprocess.run([*cmd, "--source", f"same={root / 'paged_jax' / 'native' / 'linear_int4.cc'}"],
+                          capture_output=True, text=True, cwd=root)
+    assert same.returncode == 0, same.stderr[-2000:]
+    assert "| fixed: 2 panels, K 32 |" in same.stdout and "over the checkout" in same.stdout
+    differs = subprocess.run([*cmd, "--source", f"off={off}"], capture_output=True, text=True, cwd=root)
+    assert differs.returncode != 0 and "off differs from the checkout's kernel on fixed" in differs.stderr
