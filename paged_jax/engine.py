@@ -89,7 +89,8 @@ class LLMEngine:
         self._grammars = None  # structured output's GrammarCompiler, built for the first constrained request
         # None: off; a draft model (speculative_config['model']) is loaded beside the executor
         self.spec_decoder = SpecDecoder.build(speculative_config, block_manager, scheduler_config, executor)
-        if self.spec_decoder is not None and getattr(executor, "run_ahead", False):  # its next step verifies drafts
+        # No step run ahead (executor.run_ahead) before verifications, nor where a cost model learns from step times.
+        if (self.spec_decoder or self.scheduler.step_cost) is not None and getattr(executor, "run_ahead", False):
             executor.run_ahead = False
 
     def warm_up(self, sampling_params: Union[None, SamplingParams, list[SamplingParams]] = None,

@@ -24,7 +24,8 @@ same program on the same inputs (padded rows' argmax is 0, as their input ids ar
 Not run ahead: with several devices (tensor parallelism), several layer groups, when a row's next
 position starts a new block, when a row takes its last token (``max_tokens``), or when the runner's
 ``run_ahead`` is off (the engine turns it off with speculative decoding, whose next step is a
-verification).
+verification, and with a latency target, whose cost model learns from measured step times: steps run
+ahead would hide the device's time, and a dropped one would add a step to the next).
 """
 
 from __future__ import annotations
