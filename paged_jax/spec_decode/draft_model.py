@@ -5,14 +5,17 @@ own KV cache array of as many blocks as the target's, indexed by the target's bl
 reads and writes through the SAME block tables, so allocation, copy-on-write, rollback, swapping and
 prefix caching need nothing new. Each engine step the draft first runs what the target runs (the
 step's chunks and cache operations: its cache stays filled like the target's), and the rows that
-speculate get their first draft from that run; then one-token steps of the drafting rows give
-the rest, each draft appended to its sequence and covered by its table before the draft model writes
-its K/V (the last draft too: when every draft is accepted the next step starts after it).
+speculate get their first draft from that run; then the draft loop (one jitted call of one-token
+steps, :mod:`paged_jax.executor.draft_loop`) gives the rest, each draft's slot appended to its sequence
+and covered by its table before the draft model writes its K/V (the last draft too: when every draft
+is accepted the next step starts after it). A step of decodes only skips the first run: the loop runs
+the pending tokens itself.
 
 A greedy request's drafts are the draft model's greedy tokens: a deterministic proposal, so the
 engine's verification (the target's argmax at each position, a draft accepted while equal) keeps
 the outputs equal to plain decoding's (see :mod:`.decoder`). A sampled request's drafts are drawn
-from the draft's processed distribution ``q``, kept for the rejection sampler (:mod:`.sampled`).
+from the draft's processed distribution ``q`` (in the loop, on the device, at the uniforms a draft drawn
+one at a time takes), kept for the rejection sampler (:mod:`.sampled`).
 The block copies the engine makes between steps (forks without block sharing) are made in the draft's
 cache too (:meth:`DraftModelProposer.copy_blocks`). Were the draft cache to hold something stale, only the
 acceptance would suffer, never the output.
