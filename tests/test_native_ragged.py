@@ -131,9 +131,10 @@ def test_sliding_window_and_soft_cap(H, KVH, D, block_size, window, cap):
     (8, 8, 64, 16, None, None, "float32"), (8, 8, 64, 16, 100, 1.5, "float32"), (6, 3, 64, 5, 37, None, "float32"),
     (8, 4, 128, 32, None, None, "float32"), (8, 8, 64, 16, None, None, "int8")])
 def test_few_query_rows_over_a_long_context(H, KVH, D, block_size, window, cap, cache):
-    """Rows of 1 to 7 queries (fewer query rows a KV head than half a vector: scored with the keys in
-    lanes, each key read once for all the rows) over hundreds of keys, with a window (blocks wholly
-    before every query's window poisoned) or a soft-cap, in a float32 and an int8 cache."""
+    """Rows of 1 to 7 queries (fewer query rows a KV head than half a vector of the query tiles: dot
+    products or transposed keys) over hundreds of keys, with a window (blocks wholly before every
+    query's window poisoned) or a soft-cap, with one, two and four query heads a KV head, in a float32
+    and an int8 cache."""
     rng = np.random.default_rng(H + KVH * 10 + D + (window or 0))
     query_lens, contexts = [1, 2, 3, 4, 5, 6, 7], [600, 377, 509, 260, 301, 433, 550]
     q, k, v, tables, lens, starts, qlens = ragged_case(rng, H, KVH, D, block_size, query_lens, contexts)
@@ -218,7 +219,7 @@ for H, KVH, D, bs in SHAPES:
     checks.append((f"float32 {H}/{KVH} heads of {D}, blocks of {bs}", float(np.abs(got - oracle(*case, 0.25)).max()),
                    2e-5))
 rng = np.random.default_rng(1)
-case = ragged_case(rng, 8, 8, 64, 16, [1, 2, 4, 7], [300, 250, 410, 170])  # few queries a row: keys in lanes
+case = ragged_case(rng, 8, 8, 64, 16, [1, 2, 4, 7], [300, 250, 410, 170])  # few queries a row
 got = np.asarray(native.paged_attention(*case, 0.125))
 checks.append(("few queries a row", float(np.abs(got - oracle(*case, 0.125)).max()), 2e-5))
 for window, cap in [(7, None), (40, 2.0)]:

@@ -20,7 +20,6 @@
 #include <cstdint>
 #include <vector>
 
-#include "attention_lanes.h"
 #include "attention_loops.h"
 #include "attention_tiles.h"
 #include "parallel.h"
@@ -32,10 +31,7 @@ namespace {
 
 // Queries i0 .. i0 + n - 1 of row s, all heads, over the keys the last of them sees, a chunk of
 // blocks (KeysPerChunk) at a time with an online softmax. Query rows are kept head-major (row
-// h * n + i: query i, head h), so the G * n rows that share a KV head are contiguous. With AVX-512
-// or AVX2 a head's rows go to query tiles in registers (AttendTiles, attention_tiles.h) from half a
-// vector of them, below that to keys in lanes (AttendLanes, attention_lanes.h); the plain loops
-// below are the portable build's (and any head size). A head with
+// h * n + i: query i, head h), so the G * n rows that share a KV head are contiguous. A head with
 // few rows (a decode) scores each key by a dot product; a head with many (a prefill chunk) has the
 // chunk's keys transposed into kt, so that its scores come kLanes keys to a vector, kRowTile rows
 // at a time. The weighted values accumulate in registers, kValueRows rows at a time. A key past a
@@ -53,8 +49,6 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64_
   // At least half a vector of rows (fewer, as a speculative tile of 4 queries: transposed keys, which
   // do not compute the empty lanes)
   if (G * n >= Vec::W / 2) return AttendTiles<kD>(p, s, i0, n, kh0, nkh, scratch);
-  // Fewer: keys in lanes, each read once for all the rows
-  if (D % Vec::W == 0) return AttendLanes<kD>(p, s, i0, n, kh0, nkh, scratch);
 #endif
   scratch.resize(nh * nl + 2 * nh + 2 * nh * D + D * nl + CK * D + D);
   float* sc = scratch.data();  // [H, n, nl] this chunk's scores, then weights
