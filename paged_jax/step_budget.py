@@ -6,12 +6,10 @@ budget: the scheduler serves decodes first, then fills prefill chunks up to the
 largest amount whose predicted step time (:class:`paged_jax.step_cost.StepCostModel`)
 stays within the target. The target never holds back a decode (a stream's next token
 runs whatever the prediction), and never stops a prompt: the first prefill row of a
-step gets at least one token, and up to its next block boundary when the prediction
-leaves no room for one (a target below any useful chunk still finishes every prompt, one
+step gets at least one chunk up to its next block boundary even when the prediction
+leaves no room (a target below any useful chunk still finishes every prompt, one
 block per step). Chunks the target cuts end on block boundaries, so each step fills
-whole blocks (what prefix caching registers), except the first prefill row's when not
-even the rest of its block fits: it gets the tokens that do (at least one), since late
-in a long prompt a chunk of a few tokens may fit a target that no block fits.
+whole blocks (what prefix caching registers) and wastes no partial block's work.
 The prediction is a central estimate, so the time budget is the target divided by the
 cost model's margin (:meth:`paged_jax.step_cost.StepCostModel.margin`: how much longer
 than predicted the recent steps with prefill ran, at their 90th percentile), so that
@@ -59,7 +57,6 @@ class StepBudget:
             self.target_s /= cost.margin()  # room for the steps that run longer than predicted
         self.tokens = tokens
         self.load = StepLoad()
-        self.prefilled = False  # whether a prefill row got tokens under the target (its first has progress)
 
     @property
     def timed(self) -> bool:
@@ -84,7 +81,7 @@ class StepBudget:
         """Whether a waiting prompt gets any tokens this step (chunked prefill)."""
         if self.tokens <= 0:
             return False
-        return not self.timed or not self.prefilled or self._fits(1, 0)
+        return not self.timed or not self.load.prefill_chunks or self._fits(1, 0)
 
     def _timed_chunk(self, need: int, start: int) -> int:
         limit = min(need, self.tokens)
@@ -101,13 +98,9 @@ class StepBudget:
         n = lo
         if n < need:  # cut by the target or the token budget: end the chunk on a block boundary
             n = max(0, (start + n) // self.block_size * self.block_size - start)
-        if n == 0 and not self.prefilled:
-            # Progress guaranteed to the step's first prefill row: the tokens that fit when not even a
-            # block does (late in a long prompt a few queries cost less than a block's: the kernel reads
-            # the context once for them), else, when not one token fits, up to its next block boundary
-            # (the step runs over the target anyway: it makes the most of it).
-            n = lo or min(limit, self.block_size - start % self.block_size)
-        self.prefilled = self.prefilled or n > 0
+        if n == 0 and not self.load.prefill_chunks:
+            # Progress guaranteed: the step's first prefill row gets up to its next block boundary.
+            n = min(limit, self.block_size - start % self.block_size)
         return n
 
     def _fits(self, n: int, start: int) -> bool:
