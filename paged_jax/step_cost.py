@@ -28,8 +28,11 @@ The fit is a non-negative least squares on relative errors (a 5 ms decode step
 counts as much as a 300 ms prefill), made robust (:func:`robust_nnls`: a least-median
 start, then Tukey's biweight) so that a measurement far off the others (a page
 fault, another process, a compilation the engine did not flag) does not move it. It keeps the last ``window`` decode-only
-steps and, apart, the last ``window`` steps with prefill tokens, so a long run of
-decodes does not forget what prefill costs. Until :attr:`StepCostModel.calibrated`
+steps and, apart, steps with prefill tokens by size class (:func:`size_class`: their padded
+tokens' power of two), the last ``window // 4`` of each class, so that a long run of decodes does
+not forget what prefill costs, nor a long run of one-block chunks (late in a long prompt under a
+tight target) what a large chunk costs: with every kept step of one size the token terms cannot
+be told from the step term, and a fit that kept only those priced a 2,000-token chunk as free. Until :attr:`StepCostModel.calibrated`
 (enough steps of both kinds), the scheduler does not use it.
 
 Plain Python and numpy (scipy for the non-negative least squares): the real engine
@@ -46,6 +49,7 @@ import numpy as np
 
 TERMS = ("step", "row", "token", "token_past_knee", "decode_context", "prefill_pair", "prefill_read")
 MARGIN_QUANTILE, MAX_MARGIN, MIN_MARGIN_STEPS = 0.9, 1.5, 8  # see StepCostModel.margin
+MIN_CLASS_WINDOW = 8  # steps with prefill kept per size class at least (see the module's docstring)
 KNEES = (1, 16, 32, 48, 64, 96, 128, 160, 192, 256, 320, 384, 512, 768, 1024)  # tried as the roofline's ridge
 
 
@@ -102,7 +106,8 @@ class StepCostModel:
         self.query_tile = query_tile  # None: a prefill row reads its keys once
         self.refit_every, self.min_observations = refit_every, min_observations
         self._decode: deque = deque(maxlen=window)  # (features, seconds) of decode-only steps
-        self._mixed: deque = deque(maxlen=window)  # ... of steps with prefill tokens
+        self._class_window = max(MIN_CLASS_WINDOW, window // 4)
+        self._mixed: dict[int, deque] = {}  # ... of steps with prefill tokens, by size_class
         self._since_fit = 0
         self.coefficients: Optional[np.ndarray] = None  # seconds per unit of each of TERMS
         self.knee = 1  # padded tokens where the token term bends (see the module's docstring)
@@ -148,7 +153,11 @@ class StepCostModel:
             self._errors.append(abs(predicted - seconds) / seconds)
             if load.prefill_chunks and predicted > 0:
                 self._ratios.append(seconds / predicted)
-        (self._mixed if load.prefill_chunks else self._decode).append((x, float(seconds)))
+        if load.prefill_chunks:
+            kept = self._mixed.setdefault(size_class(x[2]), deque(maxlen=self._class_window))
+        else:
+            kept = self._decode
+        kept.append((x, float(seconds)))
         self._chunks.extend(load.prefill_chunks)
         self.num_observations += 1
         self._since_fit += 1
@@ -159,14 +168,15 @@ class StepCostModel:
 
     def _enough(self, least: Optional[int] = None) -> bool:
         """Whether at least ``least`` (default ``min_observations``) steps of each kind are kept."""
-        return min(len(self._decode), len(self._mixed)) >= (least or self.min_observations)
+        mixed = sum(map(len, self._mixed.values()))
+        return min(len(self._decode), mixed) >= (least or self.min_observations)
 
     def fit(self) -> None:
         """Refit the coefficients on the kept steps (nothing happens until there are enough)."""
         self._since_fit = 0
         if not self._enough():
             return
-        obs = [*self._decode, *self._mixed]
+        obs = [*self._decode, *(o for kept in self._mixed.values() for o in kept)]
         x = np.array([o[0] for o in obs])
         y = np.array([o[1] for o in obs])
         b, w = robust_nnls(with_knee(x, self.knee), y)
@@ -209,6 +219,11 @@ class StepCostModel:
             "prefill_chunk_tokens": ({"last": chunks[-1], "median": float(np.median(chunks)), "max": max(chunks)}
                                      if chunks else None),
         }
+
+
+def size_class(padded_tokens: float) -> int:
+    """The class a step with prefill tokens is kept in: its padded tokens' power of two."""
+    return int(max(padded_tokens, 1)).bit_length()
 
 
 def with_knee(x: np.ndarray, knee: int) -> np.ndarray:

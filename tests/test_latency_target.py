@@ -208,6 +208,23 @@ def test_the_fit_recovers_known_coefficients_from_noisy_timings_despite_outliers
     assert np.max(np.abs(ols[[0, 3]] / TRUE[[0, 3]] - 1)) > 0.3
 
 
+def test_a_long_run_of_one_block_chunks_does_not_make_a_large_chunk_look_cheap():
+    """Late in a long prompt under a tight target every step is 16 decodes and a one-block chunk:
+    the same tokens each time, so those steps alone cannot tell the token terms from the step term.
+    The steps of other sizes seen earlier (warm-up's) stay in the fit, so a large chunk arriving
+    after hundreds of one-block steps is still priced near its cost."""
+    rng = np.random.default_rng(4)
+    model = StepCostModel(refit_every=16)
+    for x in synthetic_loads(rng, 64):  # warm-up: steps of many sizes
+        model.observe(x, true_seconds(model, x) * float(rng.lognormal(0, 0.03)))
+    for i in range(600):  # a 9,600-token prompt one block a step, beside 16 decodes
+        x = StepLoad.of([(1, 100 + i)] * 16 + [(BS, BS * i)])
+        model.observe(x, true_seconds(model, x) * float(rng.lognormal(0, 0.03)))
+    for large in ([(2032, 0)], [(1, 700)] * 16 + [(1024, 3000)]):
+        x = StepLoad.of(large)
+        assert model.predict(x) == pytest.approx(true_seconds(model, x), rel=0.15)
+
+
 def test_one_bad_measurement_moves_the_chunk_by_at_most_a_block():
     rng = np.random.default_rng(1)
     model = StepCostModel(window=64, refit_every=1)
