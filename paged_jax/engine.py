@@ -89,8 +89,9 @@ class LLMEngine:
         self._grammars = None  # structured output's GrammarCompiler, built for the first constrained request
         # None: off; a draft model (speculative_config['model']) is loaded beside the executor
         self.spec_decoder = SpecDecoder.build(speculative_config, block_manager, scheduler_config, executor)
-        # No step run ahead (executor.run_ahead) before verifications, nor where a cost model learns from step times.
-        if (self.spec_decoder or self.scheduler.step_cost) is not None and getattr(executor, "run_ahead", False):
+        # No step run ahead (executor.run_ahead) beside a draft model, nor where a cost model learns from step times.
+        draft_or_cost = getattr(self.spec_decoder, "draft", None) or self.scheduler.step_cost
+        if draft_or_cost is not None and hasattr(executor, "run_ahead"):
             executor.run_ahead = False
 
     def warm_up(self, sampling_params: Union[None, SamplingParams, list[SamplingParams]] = None,

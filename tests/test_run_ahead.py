@@ -148,3 +148,22 @@ def test_aborts_and_preemption_under_a_small_cache(llm):
     assert got == want and "2" not in got and len(got) == 3
     assert preempted == preempted_plain > 0 and taken > 0
     jax.block_until_ready(engine.runner.kv_caches)
+
+
+def test_with_ngram_drafts_the_step_given_drafts_drops_the_one_run_ahead(tiny_llama_dir):
+    """N-gram speculation keeps run-ahead on: a decode step with no drafts runs ahead; when the next
+    step's rows get drafts (a verification), the step run ahead is dropped. Outputs equal those with it
+    off, drafts are verified and accepted, every block is free at the end."""
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2}
+    llm = LLM(model=str(tiny_llama_dir), num_kv_blocks=32, block_size=16, max_num_seqs=4, speculative_config=spec)
+    assert llm.llm_engine.runner.run_ahead
+    prompts = [[5, 6, 7, 8] * 6, prompts_for(llm, 1, seed=2)[0]]  # a repetitive prompt finds drafts
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    stats = llm.llm_engine.spec_decoder.stats
+    got, taken = generate(llm, prompts, params, ahead=True)
+    accepted = stats.num_accepted_tokens
+    want, _ = generate(llm, prompts, params, ahead=False)
+    assert got == want and taken > 0 and accepted > 0
+    plain, _ = generate(LLM(model=str(tiny_llama_dir), num_kv_blocks=32, block_size=16, max_num_seqs=4), prompts,
+                        params, ahead=True)
+    assert [g[0] for g in got] == [p[0] for p in plain]  # plain decoding's tokens (logprobs: a verification's rounding)
