@@ -361,7 +361,7 @@ ffi::Error Run(ffi::ThreadPool pool, const T* q, ffi::Span<const int64_t> qd, co
         default: AttendRows<0>(p, it.s, it.i0, it.n, it.kh0, it.nkh, scratch);
       }
     }
-  });
+  }, /*small=*/decode && p.NT <= 8);  // a decode of a few rows: the spinning helpers (parallel.h)
   return ffi::Error::Success();
 }
 

@@ -147,8 +147,12 @@ class SpinTeam {
 // from a shared counter; the calling thread takes them too, so nothing waits on a task that never
 // started, and a helper that starts after the last range is taken returns at once. The ranges
 // (and so every result) are the same whichever threads run them. Returns when every range is done.
+//
+// `small`: a call of a few microseconds (decode at batch 1-8), which takes the spinning helpers (a
+// pool task would start microseconds into it); a larger call takes XLA's pool, whose threads are the
+// cores' (the helpers beside them slowed a 48-request run ~12 %: a third thread on two cores).
 inline void ParallelRanges(xla::ffi::ThreadPool& pool, int64_t n, int64_t chunks_per_thread,
-                           std::function<void(int64_t, int64_t)> fn) {
+                           std::function<void(int64_t, int64_t)> fn, bool small = false) {
   if (n <= 0) return;
   // The calling thread works too, so it takes one of the pool's cores: as many pool tasks as the
   // pool has threads put one thread more than cores to work, and a few tens of microseconds of
@@ -161,7 +165,7 @@ inline void ParallelRanges(xla::ffi::ThreadPool& pool, int64_t n, int64_t chunks
     fn(0, n);
     return;
   }
-  if (SpinTeam* team = SpinTeam::Get(workers); team && team->TryClaim()) {
+  if (SpinTeam* team = small ? SpinTeam::Get(workers) : nullptr; team && team->TryClaim()) {
     RangeJob job;
     job.fn = std::move(fn);
     job.n = n, job.per = per, job.chunks = chunks;
@@ -182,14 +186,17 @@ inline void ParallelRanges(xla::ffi::ThreadPool& pool, int64_t n, int64_t chunks
 // panels and many rows (a narrow projection in a long prefill), so that every thread gets work.
 template <typename F>
 void ForEachPanelChunk(xla::ffi::ThreadPool& pool, int64_t M, int64_t P, F fn) {
-  constexpr int64_t kRowChunk = 1024, kMinRows = 64;
+  constexpr int64_t kRowChunk = 1024, kMinRows = 64, kSmallRows = 8;  // kSmallRows: see ParallelRanges
   const int64_t threads = std::max<int64_t>(1, pool.num_threads()) + 1;
   int64_t rows = kRowChunk;
   while (rows > kMinRows && P * ((M + rows - 1) / rows) < 2 * threads) rows /= 2;
   const int64_t chunks = (M + rows - 1) / rows;
-  ParallelRanges(pool, P * chunks, 2, [=](int64_t u0, int64_t u1) {
-    for (int64_t u = u0; u < u1; ++u) fn(u % P, (u / P) * rows, std::min(M, (u / P) * rows + rows));
-  });
+  ParallelRanges(
+      pool, P * chunks, 2,
+      [=](int64_t u0, int64_t u1) {
+        for (int64_t u = u0; u < u1; ++u) fn(u % P, (u / P) * rows, std::min(M, (u / P) * rows + rows));
+      },
+      M <= kSmallRows);
 }
 
 }  // namespace paged_jax_native
