@@ -12,6 +12,7 @@ from paged_jax import LLM, SamplingParams
 from paged_jax.engine_args import EngineArgs
 from paged_jax.models.tiny import make_tiny_model
 from paged_jax.seeds import seed_for_sample
+from tests.test_spec_decode_sampled import reference
 
 PROMPTS = ["import os\nimport sys\nimport ", "def f(x):\n    return x\n\ndef g(", "for i in range(3):\n"]
 
@@ -193,13 +194,7 @@ def _processed(logits: np.ndarray, p: SamplingParams, history: list[int]) -> np.
         z[list(p.stop_token_ids)] = -np.inf
     counts = np.bincount(history, minlength=len(z))
     z -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0)
-    z /= p.temperature
-    z = np.where(z >= np.sort(z)[-p.top_k], z, -np.inf)
-    e = np.exp(z - z.max())
-    e /= e.sum()
-    keep = np.array([e[e <= x].sum() > 1 - p.top_p for x in e]) | (e == e.max())
-    e = np.where(keep, e, 0.0)
-    return e / e.sum()
+    return reference(z, p)  # then temperature, top-k, top-p
 
 
 @pytest.mark.slow
