@@ -43,6 +43,15 @@ def ragged_case(rng, H, KVH, D, block_size, query_lens, contexts, num_blocks=Non
     return q, k, v, tables, np.asarray(contexts, np.int32), starts, np.asarray(query_lens, np.int32)
 
 
+def quantized_cache(k, v, dtype="int8"):
+    """K/V (NaN and +inf zeroed) stored in an 8-bit cache of kv_quant's layout, and the K/V a reader of
+    that cache sees (the oracle's): ``(k, v, k_seen, v_seen)``."""
+    D = k.shape[-1]
+    k, v = (kv_quant.quantize(jnp.asarray(np.nan_to_num(x, nan=0, posinf=0)), kv_quant.storage_dtype(dtype, "float32"))
+            for x in (k, v))
+    return k, v, numpy_dequantize(np.asarray(k), D), numpy_dequantize(np.asarray(v), D)
+
+
 def oracle(q, k, v, tables, lens, starts, qlens, scale, window=None, cap=None):
     """numpy_attention row by row, back to token-flat; tokens no row owns are zeros."""
     out = np.zeros(q.shape, np.float64)
@@ -108,10 +117,8 @@ def test_a_row_costing_most_of_the_step_is_split_by_heads(H, KVH, D, block_size,
         q, k, v, tables, lens, starts, qlens = ragged_case(rng, H, KVH, D, block_size, query_lens, contexts)
         scale = 1 / math.sqrt(D)
         if cache == "int8":
-            k, v = (kv_quant.quantize(jnp.asarray(np.nan_to_num(x, nan=0, posinf=0)), kv_quant.storage_dtype("int8", "float32"))
-                    for x in (k, v))
-            want = oracle(q, numpy_dequantize(np.asarray(k), D), numpy_dequantize(np.asarray(v), D), tables, lens,
-                          starts, qlens, scale)
+            k, v, k_seen, v_seen = quantized_cache(k, v)
+            want = oracle(q, k_seen, v_seen, tables, lens, starts, qlens, scale)
         else:
             want = oracle(q, k, v, tables, lens, starts, qlens, scale)
         got = native.paged_attention(q, k, v, tables, lens, starts, qlens, scale)
@@ -140,10 +147,8 @@ def test_few_query_rows_over_a_long_context(H, KVH, D, block_size, window, cap, 
     q, k, v, tables, lens, starts, qlens = ragged_case(rng, H, KVH, D, block_size, query_lens, contexts)
     scale = 1 / math.sqrt(D)
     if cache == "int8":
-        k, v = (kv_quant.quantize(jnp.asarray(np.nan_to_num(x, nan=0, posinf=0)), kv_quant.storage_dtype("int8", "float32"))
-                for x in (k, v))
-        want = oracle(q, numpy_dequantize(np.asarray(k), D), numpy_dequantize(np.asarray(v), D), tables, lens,
-                      starts, qlens, scale, window, cap)
+        k, v, k_seen, v_seen = quantized_cache(k, v)
+        want = oracle(q, k_seen, v_seen, tables, lens, starts, qlens, scale, window, cap)
     else:
         want = oracle(q, k, v, tables, lens, starts, qlens, scale, window, cap)
         for s, (n, c) in enumerate(zip(query_lens, contexts)):  # then, as a windowed engine may: blocks
@@ -175,9 +180,8 @@ def cache_dtype_case(dtype):
         want = oracle(*(np.asarray(x, np.float32) for x in (q, k, v)), tables, lens, starts, qlens, 0.125)
         tol = 1e-2  # a bfloat16 output
     else:
-        k, v = (kv_quant.quantize(jnp.asarray(x), kv_quant.storage_dtype(dtype, "float32")) for x in (k, v))
-        want = oracle(q, numpy_dequantize(np.asarray(k), D), numpy_dequantize(np.asarray(v), D), tables, lens, starts,
-                      qlens, 0.125)
+        k, v, k_seen, v_seen = quantized_cache(k, v, dtype)
+        want = oracle(q, k_seen, v_seen, tables, lens, starts, qlens, 0.125)
         tol = 1e-5
     return (q, k, v, tables, lens, starts, qlens, 0.125), want, tol
 
