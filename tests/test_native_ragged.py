@@ -125,6 +125,51 @@ def test_a_row_costing_most_of_the_step_is_split_by_heads(H, KVH, D, block_size,
         np.testing.assert_allclose(np.asarray(got), want, rtol=3e-5, atol=3e-5)
 
 
+def sink_oracle(q, k, v, tables, lens, starts, qlens, scale, window=None, cap=None, sinks=None):
+    """The oracle's attention with a sink logit a query head (one more term ``exp(sink)`` in each
+    softmax's denominator), float64, row by row."""
+    out = np.zeros(q.shape, np.float64)
+    bs, KVH, H = k.shape[1], k.shape[2], q.shape[1]
+    for s in range(len(lens)):
+        L, n = int(lens[s]), int(qlens[s])
+        keys = np.asarray([k[tables[s, t // bs], t % bs] for t in range(L)], np.float64)  # [L, KVH, D]
+        vals = np.asarray([v[tables[s, t // bs], t % bs] for t in range(L)], np.float64)
+        for i in range(n):
+            pos, x = L - n + i, q[starts[s] + i].astype(np.float64)
+            seen = np.arange(L) <= pos
+            if window is not None:
+                seen &= np.arange(L) > pos - window
+            for h in range(H):
+                kh = h // (H // KVH)
+                z = keys[seen, kh] @ x[h] * scale
+                z = cap * np.tanh(z / cap) if cap else z
+                m = max(z.max(), sinks[h])
+                e = np.exp(z - m)
+                out[starts[s] + i, h] = e @ vals[seen, kh] / (e.sum() + np.exp(sinks[h] - m))
+    return out
+
+
+@pytest.mark.parametrize("H,KVH,D,block_size", [SHAPES[0], SHAPES[1], SHAPES[3]])
+@pytest.mark.parametrize("window,cap", [(None, None), (1000, 2.0)])
+def test_a_long_row_is_read_in_parts_and_merged(H, KVH, D, block_size, window, cap):
+    """Rows of more than 2,048 keys are read in parts of whole chunks (from fixed positions), one work
+    item each, and merged by rescaling each part's sums to the largest max: a decode whose last part
+    holds a few keys, a 16-query chunk (query tiles) and a 3-query row crossing part boundaries, beside a
+    short decode; with a window that skips whole parts, a soft-cap, and sinks (counted once, not once a
+    part)."""
+    rng = np.random.default_rng(H + D + (window or 0))
+    query_lens, contexts = [1, 16, 3, 1], [4100, 4500, 2050, 30]
+    q, k, v, tables, lens, starts, qlens = ragged_case(rng, H, KVH, D, block_size, query_lens, contexts)
+    sinks = rng.standard_normal(H).astype(np.float32) * 2
+    scale = 1 / math.sqrt(D)
+    want = oracle(q, k, v, tables, lens, starts, qlens, scale, window, cap)
+    got = native.paged_attention(q, k, v, tables, lens, starts, qlens, scale, window, cap)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=3e-5, atol=3e-5)
+    want = sink_oracle(q, k, v, tables, lens, starts, qlens, scale, window, cap, sinks)
+    got = native.paged_attention(q, k, v, tables, lens, starts, qlens, scale, window, cap, sinks=jnp.asarray(sinks))
+    np.testing.assert_allclose(np.asarray(got), want, rtol=3e-5, atol=3e-5)
+
+
 @pytest.mark.parametrize("window,cap", [(7, None), (40, 2.0), (None, 1.5), (1, None)])
 @pytest.mark.parametrize("H,KVH,D,block_size", [SHAPES[0], SHAPES[2]])
 def test_sliding_window_and_soft_cap(H, KVH, D, block_size, window, cap):
@@ -230,6 +275,10 @@ for window, cap in [(7, None), (40, 2.0)]:
     args, want = window_cap_case(*SHAPES[0], window, cap)
     got = np.asarray(native.paged_attention(*args))
     checks.append((f"window {window}, soft-cap {cap}", float(np.abs(got - want).max()), 3e-5))
+rng = np.random.default_rng(2)
+case = ragged_case(rng, 8, 8, 64, 16, [1, 16, 3], [4100, 4500, 2050])  # long rows, read in parts
+got = np.asarray(native.paged_attention(*case, 0.125))
+checks.append(("long rows in parts", float(np.abs(got - oracle(*case, 0.125)).max()), 2e-5))
 for dtype in ["bfloat16", "int8", "fp8"]:
     args, want, tol = cache_dtype_case(dtype)
     got = np.asarray(native.paged_attention(*args), np.float32)
@@ -242,7 +291,7 @@ def _check_build(out):
     assert {"attention float32", "attention bfloat16", "attention int8 cache",
             "attention fp8 cache"} <= set(out["status"]["traced"])
     bad = [(case, err, tol) for case, err, tol in out["checks"] if not err < tol]
-    assert len(out["checks"]) == 10 and not bad, bad
+    assert len(out["checks"]) == 11 and not bad, bad
 
 
 def test_avx2_path_without_avx512(tmp_path_factory):

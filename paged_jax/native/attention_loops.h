@@ -358,6 +358,16 @@ inline void WeightedValueRows(const float* w, int64_t ldw, int64_t rows, int64_t
   for (int64_t r = 0; r < rows; ++r) WeightedValues<kD>(w + r * ldw, t0, t1, v, D, out + r * D);
 }
 
+// Which keys of its row a work item reads, and where its result goes: keys [k0, k1) (a part of a
+// long row; [0, INT64_MAX) a whole one). `partial` null: the output itself; else the part's
+// unnormalized output, running max and sum for each query and head, [n, H, D + 2] from the item's first
+// query (H: all the query heads), which MergeParts combines; a row's sink counts in its first part only.
+struct KeyPart {
+  int64_t k0 = 0, k1 = INT64_MAX;
+  bool first = true;
+  float* partial = nullptr;
+};
+
 // Keys per step of the online softmax: whole blocks, at least one vector of kLanes (so a block
 // size under 16 still fills the vectors). Measured on 8 heads of 64 with a 4k context: chunks of
 // 16 keys 1.2-1.4x faster than 64 (more of the chunk's scores, keys and values stay in L1).

@@ -174,7 +174,7 @@ inline void AttendTileGroup(const TileGroup& g, const float* kf, const float* co
 // i = row % n), each group attending over the chunk's keys in AttendTileGroup.
 template <int kD, typename T, typename C>
 void AttendTiles(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64_t kh0, int64_t nkh,
-                 std::vector<float>& scratch) {
+                 const KeyPart& part, std::vector<float>& scratch) {
   constexpr int W = Vec::W;
   const int64_t G = p.H / p.KVH, D = p.D, E = p.E, BS = p.BS, row = p.KVH * E;
   const int64_t CK = KeysPerChunk(BS), groups = (G * n + W - 1) / W, ng = nkh * groups;
@@ -198,8 +198,9 @@ void AttendTiles(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64
         const bool real = r < G * n;
         g.pos[l] = real ? static_cast<float>(first + i) : -1.f;
         g.lo[l] = real && p.window > 0 ? static_cast<float>(first + i - p.window + 1) : -1.f;
-        g.m[l] = real && p.sinks ? p.sinks[kh0 * G + h] : -INFINITY;  // the sink: a key with no value
-        g.den[l] = real && p.sinks ? 1.f : 0.f;
+        const bool sink = real && p.sinks && part.first;  // the sink: a key with no value
+        g.m[l] = sink ? p.sinks[kh0 * G + h] : -INFINITY;
+        g.den[l] = sink ? 1.f : 0.f;
         const T* query = p.q + ((p.starts[s] + i0 + i) * p.H + kh0 * G + h) * D;
         for (int64_t d = 0; d < D; ++d) g.qt[d * W + l] = real ? ToFloat(query[d]) * p.scale : 0.f;
         if (real) {
@@ -208,13 +209,13 @@ void AttendTiles(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64
         }
       }
     }
-  const int64_t L = std::min<int64_t>({first + n, p.lens[s], p.MB * BS});  // keys the last query sees
+  const int64_t L = std::min<int64_t>({first + n, p.lens[s], p.MB * BS, part.k1});  // keys the last query sees
   const int32_t* table = p.bt + s * p.MB;
   auto block_at = [&](int64_t j) {  // as jnp's gather: a negative entry counts from the end, then clamped
     int64_t b = table[j];
     return std::clamp<int64_t>(b < 0 ? b + p.NB : b, 0, p.NB - 1);
   };
-  const int64_t from = p.window > 0 ? std::max<int64_t>(0, first - p.window + 1) / CK * CK : 0;
+  const int64_t from = std::max(p.window > 0 ? std::max<int64_t>(0, first - p.window + 1) / CK * CK : 0, part.k0);
   thread_local std::vector<const C*> keys;  // each key's row in the cache (from this item's first head)
   thread_local std::vector<const float*> vals;  // one head's value of each key, as float32
   keys.resize(CK);
@@ -268,6 +269,13 @@ void AttendTiles(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64
       for (int l = 0; l < W; ++l) {
         const int64_t r = j * W + l, h = kh * G + r / n, i = r % n;
         if (r >= G * n) break;
+        if (part.partial) {  // a part of a long row: MergeParts normalizes
+          float* rec = part.partial + (i * p.H + kh0 * G + h) * (D + 2);
+          for (int64_t d = 0; d < D; ++d) rec[d] = g.ot[d * W + l];
+          rec[D] = g.m[l];
+          rec[D + 1] = g.den[l];
+          continue;
+        }
         const float inv = g.den[l] > 0.f ? 1.f / g.den[l] : 0.f;  // a query that saw no key: zeros
         T* result = p.out + ((p.starts[s] + i0 + i) * p.H + kh0 * G + h) * D;
         for (int64_t d = 0; d < D; ++d) FromFloat(g.ot[d * W + l] * inv, result + d);

@@ -8,8 +8,9 @@
 // asked), read through block_tables[s] straight from the paged cache (nothing is gathered into a
 // temporary), softmax in float32. A decode step is rows of one query each. Slots
 // past a row's context are never read; query tokens no row covers come out zero. Work is split
-// into (row, block of queries, KV heads) items, shared with XLA's intra-op thread pool (an item
-// covers every head unless it costs more than a thread's share of the step); the queries of one
+// into (row, block of queries, part of the keys, KV heads) items, shared with XLA's intra-op thread
+// pool (a row of more than kPartKeys keys is read in parts, merged at the end; an item covers every
+// head unless it costs more than a thread's share of the step); the queries of one
 // item share each K/V block they read, so a long chunk reads its context once per block of
 // queries, not once per query. Caches and queries are float32 or bfloat16 (read as float32; the
 // output rounded to bfloat16 to nearest even, as astype), or float32 queries over an 8-bit cache
@@ -38,7 +39,7 @@ namespace {
 // query's position, or before its sliding window, gets no weight.
 template <int kD, typename T, typename C>
 void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64_t kh0, int64_t nkh,
-                std::vector<float>& scratch) {
+                const KeyPart& part, std::vector<float>& scratch) {
   // KV heads kh0 .. kh0 + nkh - 1 and their query heads: H and KVH count this item's heads, p.H and
   // p.KVH stride the queries and the cache.
   const int64_t G = p.H / p.KVH, KVH = nkh, H = nkh * G, h0 = kh0 * G;
@@ -48,7 +49,7 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64_
 #if defined(PAGED_JAX_ATTENTION_TILES)
   // At least half a vector of rows (fewer, as a speculative tile of 4 queries: transposed keys, which
   // do not compute the empty lanes)
-  if (G * n >= Vec::W / 2) return AttendTiles<kD>(p, s, i0, n, kh0, nkh, scratch);
+  if (G * n >= Vec::W / 2) return AttendTiles<kD>(p, s, i0, n, kh0, nkh, part, scratch);
 #endif
   scratch.resize(nh * nl + 2 * nh + 2 * nh * D + D * nl + CK * D + D);
   float* sc = scratch.data();  // [H, n, nl] this chunk's scores, then weights
@@ -71,9 +72,10 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64_
   std::fill(out, out + nh * D, 0.f);
   std::fill(zeros, zeros + D, 0.f);
   // The online softmax starts from the sink, a key with no value: max = sink, sum = exp(0).
+  const bool sink = p.sinks && part.first;
   for (int64_t r = 0; r < nh; ++r) {
-    m[r] = p.sinks ? p.sinks[h0 + r / n] : -INFINITY;
-    den[r] = p.sinks ? 1.f : 0.f;
+    m[r] = sink ? p.sinks[h0 + r / n] : -INFINITY;
+    den[r] = sink ? 1.f : 0.f;
   }
   const int64_t first = int64_t{p.lens[s]} - p.qlens[s] + i0;  // position of query i0
   const T* query = p.q + ((p.starts[s] + i0) * p.H + h0) * D;
@@ -81,7 +83,7 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64_
   for (int64_t i = 0; i < n; ++i)
     for (int64_t h = 0; h < H; ++h)
       for (int64_t d = 0; d < D; ++d) q[(h * n + i) * D + d] = ToFloat(query[(i * p.H + h) * D + d]) * p.scale;
-  const int64_t L = std::min<int64_t>({first + n, p.lens[s], p.MB * BS});  // keys the last query sees
+  const int64_t L = std::min<int64_t>({first + n, p.lens[s], p.MB * BS, part.k1});  // keys the last query sees
   const int32_t* table = p.bt + s * p.MB;
   auto block_at = [&](int64_t j) {  // as jnp's gather: a negative entry counts from the end, then clamped
     int64_t b = table[j];
@@ -95,7 +97,7 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64_
   };
   // Chunks wholly before the first query's window are not read (nor their blocks, which a windowed
   // sequence may have given back).
-  const int64_t from = p.window > 0 ? std::max<int64_t>(0, first - p.window + 1) / CK * CK : 0;
+  const int64_t from = std::max(p.window > 0 ? std::max<int64_t>(0, first - p.window + 1) / CK * CK : 0, part.k0);
   auto rows_of = [&](int64_t pos0, int64_t nk, const C** to) {  // the key rows of the chunk at pos0
     for (int64_t t = 0; t < nk; t += BS) {
       const C* kb = p.k + block_at((pos0 + t) / BS) * BS * row;
@@ -260,6 +262,17 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64_
     }
     std::swap(kr, nkr);  // the next chunk's rows become this one's
   }
+  if (part.partial) {  // a part of a long row: MergeParts normalizes
+    for (int64_t i = 0; i < n; ++i)
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t r = h * n + i;
+        float* rec = part.partial + (i * p.H + h0 + h) * (D + 2);
+        std::copy(out + r * D, out + (r + 1) * D, rec);
+        rec[D] = m[r];
+        rec[D + 1] = den[r];
+      }
+    return;
+  }
   for (int64_t i = 0; i < n; ++i)
     for (int64_t h = 0; h < H; ++h) {
       const int64_t r = h * n + i;
@@ -267,6 +280,41 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64_
       for (int64_t d = 0; d < D; ++d) FromFloat(out[r * D + d] * inv, result + (i * p.H + h) * D + d);
     }
 }
+
+// The output of a long row's queries i0 .. i0 + n - 1 from its parts' records ([parts, n, H, D + 2]:
+// unnormalized output, running max, running sum): each part's sums rescaled to the largest max, as
+// the online softmax rescales a chunk's.
+template <typename T, typename C>
+void MergeParts(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64_t parts, const float* rec) {
+  const int64_t D = p.D, size = n * p.H * (D + 2);
+  std::vector<float> acc(D);
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t h = 0; h < p.H; ++h) {
+      const int64_t at = (i * p.H + h) * (D + 2);
+      float mx = -INFINITY;
+      for (int64_t j = 0; j < parts; ++j) mx = std::max(mx, rec[j * size + at + D]);
+      float den = 0.f;
+      std::fill(acc.begin(), acc.end(), 0.f);
+      for (int64_t j = 0; j < parts; ++j) {
+        const float* r = rec + j * size + at;
+        if (r[D] == -INFINITY) continue;  // a part with no key this query sees
+        const float w = std::exp(r[D] - mx);
+        den += r[D + 1] * w;
+        for (int64_t d = 0; d < D; ++d) acc[d] += r[d] * w;
+      }
+      const float inv = den > 0.f ? 1.f / den : 0.f;  // a query that saw no key: zeros
+      T* result = p.out + ((p.starts[s] + i0 + i) * p.H + h) * D;
+      for (int64_t d = 0; d < D; ++d) FromFloat(acc[d] * inv, result + d);
+    }
+}
+
+// Keys from which a row is read in parts (whole chunks of the online softmax), over the threads
+// with every KV head in each: a thread reading whole key rows (all heads, 2 KB on 8 heads of 64) of
+// its blocks streams its memory faster than one reading every block's rows in halves (split by heads).
+#ifndef PAGED_JAX_PART_KEYS
+#define PAGED_JAX_PART_KEYS 2048
+#endif
+constexpr int64_t kPartKeys = PAGED_JAX_PART_KEYS;
 
 #ifndef PAGED_JAX_ITEM_FLOATS
 #define PAGED_JAX_ITEM_FLOATS 8192
@@ -307,8 +355,18 @@ ffi::Error Run(ffi::ThreadPool pool, const T* q, ffi::Span<const int64_t> qd, co
   // Work items (row, first query, queries, first KV head, KV heads); tokens no row covers come out zero.
   struct Item {
     int64_t s, i0, n, cost, kh0, nkh;
+    KeyPart part;
+    int64_t partial_at;  // a part of a long row: where its records start in `partials` (-1: a whole row)
+  };
+  struct LongRow {  // a row's queries i0 .. i0 + n - 1 read in `parts` parts, at `offset` in `partials`
+    int64_t s, i0, n, parts, offset;
   };
   std::vector<Item> items;
+  std::vector<LongRow> long_rows;
+  int64_t partial_floats = 0;
+  // Keys per part of a long row: whole chunks of the online softmax, boundaries at fixed positions
+  // (a row's numbers depend on its own keys alone, not on the step around it).
+  const int64_t CK = KeysPerChunk(p.BS), part_keys = (kPartKeys + CK - 1) / CK * CK;
   std::vector<uint8_t> covered(p.NT, 0);
   const int64_t per_item = QueriesPerItem(p.H, p.D);
   bool decode = true;
@@ -322,16 +380,33 @@ ffi::Error Run(ffi::ThreadPool pool, const T* q, ffi::Span<const int64_t> qd, co
     std::fill(covered.begin() + start, covered.begin() + start + n, 1);
     decode = decode && n == 1;
     for (int64_t i0 = 0; i0 < n; i0 += per_item) {
-      const int64_t len = std::min(per_item, n - i0);
-      items.push_back({s, i0, len, len * std::max<int64_t>(1, p.lens[s] - n + i0 + len), 0, p.KVH});
+      const int64_t len = std::min(per_item, n - i0), first = int64_t{p.lens[s]} - n + i0;
+      const int64_t keys = std::min<int64_t>(first + len, p.MB * p.BS);  // keys the item's last query sees
+      const int64_t seen = p.window > 0 ? std::max<int64_t>(0, first - p.window + 1) : 0;  // its first query's first
+      const int64_t part0 = seen / part_keys, parts = std::max<int64_t>(1, (keys + part_keys - 1) / part_keys - part0);
+      if (parts == 1) {
+        items.push_back({s, i0, len, len * std::max<int64_t>(1, keys), 0, p.KVH, KeyPart{}, -1});
+        continue;
+      }
+      const int64_t size = len * p.H * (p.D + 2);
+      long_rows.push_back({s, i0, len, parts, partial_floats});
+      for (int64_t j = 0; j < parts; ++j) {
+        const int64_t k0 = (part0 + j) * part_keys, k1 = k0 + part_keys;
+        const int64_t cost = len * std::max<int64_t>(1, std::min(k1, keys) - std::max(k0, seen));
+        items.push_back({s, i0, len, cost, 0, p.KVH, KeyPart{k0, k1, j == 0, nullptr}, partial_floats + j * size});
+      }
+      partial_floats += parts * size;
     }
   }
-  // An item costing more than a thread's share of the step (a lone decode over a long context, a
-  // one-block chunk late in a long prompt beside short decodes) is split by KV heads, which attend
-  // independently, so that every thread has work: on 8 heads of 64 and 2 cores, a 16-token chunk
-  // beside 16 decodes ran in 5.8 instead of 9.0 ms at a 16k context, 1.4 instead of 2.1 at 4k
-  // (experiments/bench_attention_step.py). Small items stay whole (a task costs more than it saves).
-  bool uneven = false;  // some item was split: its parts must not share a range (see below)
+  std::vector<float> partials(partial_floats);
+  for (Item& it : items)
+    if (it.partial_at >= 0) it.part.partial = partials.data() + it.partial_at;
+  // An item still costing more than a thread's share of the step (a chunk of a row under kPartKeys
+  // keys beside short decodes) is split by KV heads, which attend independently, so that every thread
+  // has work: on 8 heads of 64 and 2 cores, a 16-token chunk beside 16 decodes ran in 5.8 instead of
+  // 9.0 ms at a 16k context, 1.4 instead of 2.1 at 4k (experiments/bench_attention_step.py, before
+  // long rows were read in parts). Small items stay whole (a task costs more than it saves).
+  bool uneven = false;  // a row was cut into several items: they must not share a range (see below)
   {
     const int64_t threads = std::max<int64_t>(1, pool.num_threads());
     int64_t total = 0;
@@ -341,10 +416,10 @@ ffi::Error Run(ffi::ThreadPool pool, const T* q, ffi::Span<const int64_t> qd, co
       const int64_t parts = it.cost < kMinSplitCost ? 1 : std::min<int64_t>(p.KVH, (it.cost * threads + total - 1) / total);
       for (int64_t j = 0; j < parts; ++j) {
         const int64_t k0 = p.KVH * j / parts, k1 = p.KVH * (j + 1) / parts;
-        split.push_back({it.s, it.i0, it.n, it.cost * (k1 - k0) / p.KVH, k0, k1 - k0});
+        split.push_back({it.s, it.i0, it.n, it.cost * (k1 - k0) / p.KVH, k0, k1 - k0, it.part, it.partial_at});
       }
     }
-    uneven = split.size() > items.size();
+    uneven = !long_rows.empty() || split.size() > items.size();
     items.swap(split);
   }
   for (int64_t t = 0; t < p.NT; ++t)
@@ -361,12 +436,13 @@ ffi::Error Run(ffi::ThreadPool pool, const T* q, ffi::Span<const int64_t> qd, co
     for (int64_t u = u0; u < u1; ++u) {
       const Item& it = items[u];
       switch (p.D) {  // the common head sizes get unrolled loops
-        case 64: AttendRows<64>(p, it.s, it.i0, it.n, it.kh0, it.nkh, scratch); break;
-        case 128: AttendRows<128>(p, it.s, it.i0, it.n, it.kh0, it.nkh, scratch); break;
-        default: AttendRows<0>(p, it.s, it.i0, it.n, it.kh0, it.nkh, scratch);
+        case 64: AttendRows<64>(p, it.s, it.i0, it.n, it.kh0, it.nkh, it.part, scratch); break;
+        case 128: AttendRows<128>(p, it.s, it.i0, it.n, it.kh0, it.nkh, it.part, scratch); break;
+        default: AttendRows<0>(p, it.s, it.i0, it.n, it.kh0, it.nkh, it.part, scratch);
       }
     }
   }, /*small=*/decode && p.NT <= 8);  // a decode of a few rows: the spinning helpers (parallel.h)
+  for (const LongRow& r : long_rows) MergeParts(p, r.s, r.i0, r.n, r.parts, partials.data() + r.offset);
   return ffi::Error::Success();
 }
 
