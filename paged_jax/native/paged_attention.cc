@@ -322,6 +322,10 @@ constexpr int64_t kPartKeys = PAGED_JAX_PART_KEYS;
 constexpr int64_t kItemFloats = PAGED_JAX_ITEM_FLOATS;
 // Query-key pairs below which an item is not split by heads (see Run).
 constexpr int64_t kMinSplitCost = 4096;
+// The same for a decode of a few rows, whose helper spins (parallel.h) and joins within a microsecond:
+// one row of 8 heads over 96 / 300 / 1,000 keys ran in 8.2 / 18 / 49 instead of 11 / 30 / 83 us
+// split in two.
+constexpr int64_t kMinSplitCostSmall = 64;
 
 // Queries per work item: their float32 queries and outputs, n * H * D each, stay in L1 and L2
 // (16 for 8 heads of 64; one for very wide models).
@@ -406,14 +410,16 @@ ffi::Error Run(ffi::ThreadPool pool, const T* q, ffi::Span<const int64_t> qd, co
   // has work: on 8 heads of 64 and 2 cores, a 16-token chunk beside 16 decodes ran in 5.8 instead of
   // 9.0 ms at a 16k context, 1.4 instead of 2.1 at 4k (experiments/bench_attention_step.py, before
   // long rows were read in parts). Small items stay whole (a task costs more than it saves).
+  const bool small = decode && p.NT <= 8;  // a decode of a few rows: the spinning helpers (parallel.h)
   bool uneven = false;  // a row was cut into several items: they must not share a range (see below)
   {
     const int64_t threads = std::max<int64_t>(1, pool.num_threads());
+    const int64_t min_split = small ? kMinSplitCostSmall : kMinSplitCost;
     int64_t total = 0;
     for (const Item& it : items) total += it.cost;
     std::vector<Item> split;
     for (const Item& it : items) {
-      const int64_t parts = it.cost < kMinSplitCost ? 1 : std::min<int64_t>(p.KVH, (it.cost * threads + total - 1) / total);
+      const int64_t parts = it.cost < min_split ? 1 : std::min<int64_t>(p.KVH, (it.cost * threads + total - 1) / total);
       for (int64_t j = 0; j < parts; ++j) {
         const int64_t k0 = p.KVH * j / parts, k1 = p.KVH * (j + 1) / parts;
         split.push_back({it.s, it.i0, it.n, it.cost * (k1 - k0) / p.KVH, k0, k1 - k0, it.part, it.partial_at});
@@ -441,7 +447,7 @@ ffi::Error Run(ffi::ThreadPool pool, const T* q, ffi::Span<const int64_t> qd, co
         default: AttendRows<0>(p, it.s, it.i0, it.n, it.kh0, it.nkh, it.part, scratch);
       }
     }
-  }, /*small=*/decode && p.NT <= 8);  // a decode of a few rows: the spinning helpers (parallel.h)
+  }, small);
   for (const LongRow& r : long_rows) MergeParts(p, r.s, r.i0, r.n, r.parts, partials.data() + r.offset);
   return ffi::Error::Success();
 }
