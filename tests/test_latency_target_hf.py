@@ -1,7 +1,7 @@
 """A latency target against transformers (the oracle): greedy tokens of 3,000+ token prompts beside
 decodes, under preemption and with prefix caching; beam search; tensor parallelism.
 
-Each engine is calibrated first (what ``warm_up`` runs) with a target below any step here (0.5 ms), so
+Each engine is calibrated first (what ``warm_up`` runs) with a target below any step here (0.05 ms), so
 every prompt goes on one block per step and the default policy with a target, short prompts first,
 reorders the prompts at every step: the most chunk boundaries and reorderings the target can cause.
 """
@@ -15,7 +15,7 @@ from paged_jax.step_cost import calibrate
 from tests.test_long_prompts import (LLAMA, PREEMPT_LENGTHS, PREEMPT_MAX_TOKENS, SHORT_LENGTHS, assert_all_free,
                                      assert_matches_hf, first_starts, generate, random_prompt, recorded_steps)
 
-TARGET_MS = 0.5
+TARGET_MS = 0.05  # below any step of a jitted model (0.5 ms was not on a machine with fast small steps)
 
 
 def calibrated(llm) -> LLM:
