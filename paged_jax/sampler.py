@@ -183,9 +183,10 @@ def _last_positive(x):
     return n - 1 - jnp.argmax((x > 0)[:, ::-1], axis=-1)
 
 
-def _inverse_cdf(probs, u):
+def inverse_cdf(probs, u):
     """Per row, the token where the cumulative probability first exceeds
-    ``u * total``; never a zero-probability token (when the row has any mass)."""
+    ``u * total``; never a zero-probability token (when the row has any mass). The sampler's draw,
+    and a draft model's sampled draft in its jitted loop (``executor.draft_loop``)."""
     S, V = probs.shape
     nb = -(-V // _CDF_BLOCK)
     p = jnp.pad(probs, ((0, 0), (0, nb * _CDF_BLOCK - V))).reshape(S, nb, _CDF_BLOCK)
@@ -288,7 +289,7 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
     else:
         logits = _truncated(logits, t)
         logprobs = jax.nn.log_softmax(logits, axis=-1)
-        drawn = _inverse_cdf(jnp.exp(logprobs), _row_uniforms(t.key_data, t.key_offset))
+        drawn = inverse_cdf(jnp.exp(logprobs), _row_uniforms(t.key_data, t.key_offset))
         ids = jnp.where(t.greedy, _argmax(logits), drawn)
     lp = jnp.take_along_axis(logprobs, ids[:, None], -1)[:, 0]
     return SamplerOutput(ids, lp, *_top(logprobs, t.num_top))
@@ -313,4 +314,4 @@ def token_logprobs(logits: jax.Array, token_ids: jax.Array, num_top: int = 0):
     return (lp, *_top(logprobs, min(num_top, logits.shape[1])))
 
 
-__all__ = ["PAD_ID", "SamplerOutput", "SamplingTensors", "greedy_tokens", "processed_probs", "sample", "seed_for_sample", "token_logprobs"]
+__all__ = ["PAD_ID", "SamplerOutput", "SamplingTensors", "greedy_tokens", "inverse_cdf", "processed_probs", "sample", "seed_for_sample", "token_logprobs"]

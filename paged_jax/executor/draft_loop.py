@@ -28,7 +28,7 @@ from jax import lax
 
 from paged_jax.executor.batch import SeqChunk, bucket, prepare_batch
 from paged_jax.memory.block_allocator import NULL_BLOCK
-from paged_jax.sampler import _inverse_cdf, greedy_tokens, processed_probs
+from paged_jax.sampler import greedy_tokens, inverse_cdf, processed_probs
 from paged_jax.sampling_tensors import PAD_ID, SamplingTensors
 from paged_jax.utils import pow2_bucket
 
@@ -97,7 +97,7 @@ def _draw(logits, draws: LoopDraws, j, history, argmax):
     num_output = draws.history_len + j
     banned = jnp.where((num_output < draws.banned_until)[:, None], t.banned_token_ids, PAD_ID)
     q = processed_probs(logits, dataclasses.replace(t, output_token_ids=history, banned_token_ids=banned))
-    ids = jnp.where(draws.sampled, _inverse_cdf(q, draws.uniforms[j]), argmax)
+    ids = jnp.where(draws.sampled, inverse_cdf(q, draws.uniforms[j]), argmax)
     if history.shape[1]:  # static: only with penalties is the history kept
         history = history.at[jnp.arange(history.shape[0]), num_output].set(ids)
     return ids, q, history
