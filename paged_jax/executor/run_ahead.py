@@ -85,6 +85,13 @@ def same_step(ahead: AheadStep, batch: Batch) -> bool:
         elif mine is None or theirs is None:
             if mine is not theirs:
                 return False
-        elif not np.array_equal(mine, theirs):
+        elif not _same_bits(mine, theirs):
             return False
     return True
+
+
+def _same_bits(a, b) -> bool:
+    """Whether two arrays hold the same bytes in the same shape and dtype: the same inputs to the step,
+    bit for bit (np.array_equal on each of a batch's arrays took 35 us of a 0.6-ms int4 step)."""
+    a, b = np.asarray(a), np.asarray(b)
+    return a.shape == b.shape and a.dtype == b.dtype and a.tobytes() == b.tobytes()
