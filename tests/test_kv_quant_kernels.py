@@ -52,9 +52,10 @@ def numpy_dequantize(cache, d):
         return values.astype(np.float64) * scale.astype(np.float64)[..., None]
 
 
-def numpy_attention(q, k, v, tables, lens, qlens, scale, window=None, cap=None):
+def numpy_attention(q, k, v, tables, lens, qlens, scale, window=None, cap=None, sinks=None):
     """q [S, Q, H, D]; k, v float [blocks, block_size, KVH, D]. Query i of sequence s at position
-    lens[s] - qlens[s] + i sees positions <= its own (and > its own - window); float64 loops."""
+    lens[s] - qlens[s] + i sees positions <= its own (and > its own - window); ``sinks``: a logit a
+    query head, one more term exp(sink) in each softmax's denominator; float64 loops."""
     S, _, H, D = q.shape
     bs, KVH = k.shape[1], k.shape[2]
     out = np.zeros(q.shape, np.float64)
@@ -74,8 +75,10 @@ def numpy_attention(q, k, v, tables, lens, qlens, scale, window=None, cap=None):
                 if cap is not None:
                     x = cap * np.tanh(x / cap)
                 x = np.where(seen, x, -np.inf)
-                p = np.exp(x - x.max())
-                out[s, i, h] = (p / p.sum()) @ vv
+                m = x.max() if sinks is None else max(x.max(), float(sinks[h]))
+                p = np.exp(x - m)
+                den = p.sum() + (0.0 if sinks is None else np.exp(float(sinks[h]) - m))
+                out[s, i, h] = (p / den) @ vv
     return out
 
 

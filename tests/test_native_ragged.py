@@ -52,7 +52,7 @@ def quantized_cache(k, v, dtype="int8"):
     return k, v, numpy_dequantize(np.asarray(k), D), numpy_dequantize(np.asarray(v), D)
 
 
-def oracle(q, k, v, tables, lens, starts, qlens, scale, window=None, cap=None):
+def oracle(q, k, v, tables, lens, starts, qlens, scale, window=None, cap=None, sinks=None):
     """numpy_attention row by row, back to token-flat; tokens no row owns are zeros."""
     out = np.zeros(q.shape, np.float64)
     for s in range(len(lens)):
@@ -60,7 +60,8 @@ def oracle(q, k, v, tables, lens, starts, qlens, scale, window=None, cap=None):
         if n:
             rows = q[None, starts[s]:starts[s] + n]
             out[starts[s]:starts[s] + n] = numpy_attention(rows, k, v, tables[s:s + 1], lens[s:s + 1],
-                                                           qlens[s:s + 1], scale, window=window, cap=cap)[0]
+                                                           qlens[s:s + 1], scale, window=window, cap=cap,
+                                                           sinks=sinks)[0]
     return out
 
 
@@ -125,30 +126,6 @@ def test_a_row_costing_most_of_the_step_is_split_by_heads(H, KVH, D, block_size,
         np.testing.assert_allclose(np.asarray(got), want, rtol=3e-5, atol=3e-5)
 
 
-def sink_oracle(q, k, v, tables, lens, starts, qlens, scale, window=None, cap=None, sinks=None):
-    """The oracle's attention with a sink logit a query head (one more term ``exp(sink)`` in each
-    softmax's denominator), float64, row by row."""
-    out = np.zeros(q.shape, np.float64)
-    bs, KVH, H = k.shape[1], k.shape[2], q.shape[1]
-    for s in range(len(lens)):
-        L, n = int(lens[s]), int(qlens[s])
-        keys = np.asarray([k[tables[s, t // bs], t % bs] for t in range(L)], np.float64)  # [L, KVH, D]
-        vals = np.asarray([v[tables[s, t // bs], t % bs] for t in range(L)], np.float64)
-        for i in range(n):
-            pos, x = L - n + i, q[starts[s] + i].astype(np.float64)
-            seen = np.arange(L) <= pos
-            if window is not None:
-                seen &= np.arange(L) > pos - window
-            for h in range(H):
-                kh = h // (H // KVH)
-                z = keys[seen, kh] @ x[h] * scale
-                z = cap * np.tanh(z / cap) if cap else z
-                m = max(z.max(), sinks[h])
-                e = np.exp(z - m)
-                out[starts[s] + i, h] = e @ vals[seen, kh] / (e.sum() + np.exp(sinks[h] - m))
-    return out
-
-
 @pytest.mark.parametrize("H,KVH,D,block_size", [SHAPES[0], SHAPES[1], SHAPES[3]])
 @pytest.mark.parametrize("window,cap", [(None, None), (1000, 2.0)])
 def test_a_long_row_is_read_in_parts_and_merged(H, KVH, D, block_size, window, cap):
@@ -165,7 +142,7 @@ def test_a_long_row_is_read_in_parts_and_merged(H, KVH, D, block_size, window, c
     want = oracle(q, k, v, tables, lens, starts, qlens, scale, window, cap)
     got = native.paged_attention(q, k, v, tables, lens, starts, qlens, scale, window, cap)
     np.testing.assert_allclose(np.asarray(got), want, rtol=3e-5, atol=3e-5)
-    want = sink_oracle(q, k, v, tables, lens, starts, qlens, scale, window, cap, sinks)
+    want = oracle(q, k, v, tables, lens, starts, qlens, scale, window, cap, sinks)
     got = native.paged_attention(q, k, v, tables, lens, starts, qlens, scale, window, cap, sinks=jnp.asarray(sinks))
     np.testing.assert_allclose(np.asarray(got), want, rtol=3e-5, atol=3e-5)
 
