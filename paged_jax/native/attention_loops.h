@@ -376,6 +376,12 @@ inline void WeightedValueRows(const float* w, int64_t ldw, int64_t rows, int64_t
   for (int64_t r = 0; r < rows; ++r) WeightedValues<kD>(w + r * ldw, t0, t1, v, D, out + r * D);
 }
 
+// The first key a query at position `pos` sees: its sliding window's start (0 without a window).
+template <typename T, typename C>
+inline int64_t WindowStart(const Problem<T, C>& p, int64_t pos) {
+  return p.window > 0 ? std::max<int64_t>(0, pos - p.window + 1) : 0;
+}
+
 // Which keys of its row a work item reads, and where its result goes: keys [k0, k1) (a part of a
 // long row; [0, INT64_MAX) a whole one). `partial` null: the output itself; else the part's
 // unnormalized output, running max and sum for each query and head, [n, H, D + 2] from the item's first

@@ -215,7 +215,7 @@ void AttendTiles(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64
     int64_t b = table[j];
     return std::clamp<int64_t>(b < 0 ? b + p.NB : b, 0, p.NB - 1);
   };
-  const int64_t from = std::max(p.window > 0 ? std::max<int64_t>(0, first - p.window + 1) / CK * CK : 0, part.k0);
+  const int64_t from = std::max(WindowStart(p, first) / CK * CK, part.k0);
   thread_local std::vector<const C*> keys;  // each key's row in the cache (from this item's first head)
   thread_local std::vector<const float*> vals;  // one head's value of each key, as float32
   keys.resize(CK);

@@ -97,7 +97,7 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64_
   };
   // Chunks wholly before the first query's window are not read (nor their blocks, which a windowed
   // sequence may have given back).
-  const int64_t from = std::max(p.window > 0 ? std::max<int64_t>(0, first - p.window + 1) / CK * CK : 0, part.k0);
+  const int64_t from = std::max(WindowStart(p, first) / CK * CK, part.k0);
   auto rows_of = [&](int64_t pos0, int64_t nk, const C** to) {  // the key rows of the chunk at pos0
     for (int64_t t = 0; t < nk; t += BS) {
       const C* kb = p.k + block_at((pos0 + t) / BS) * BS * row;
@@ -386,7 +386,7 @@ ffi::Error Run(ffi::ThreadPool pool, const T* q, ffi::Span<const int64_t> qd, co
     for (int64_t i0 = 0; i0 < n; i0 += per_item) {
       const int64_t len = std::min(per_item, n - i0), first = int64_t{p.lens[s]} - n + i0;
       const int64_t keys = std::min<int64_t>(first + len, p.MB * p.BS);  // keys the item's last query sees
-      const int64_t seen = p.window > 0 ? std::max<int64_t>(0, first - p.window + 1) : 0;  // its first query's first
+      const int64_t seen = WindowStart(p, first);  // its first query's first key
       const int64_t part0 = seen / part_keys, parts = std::max<int64_t>(1, (keys + part_keys - 1) / part_keys - part0);
       if (parts == 1) {
         items.push_back({s, i0, len, len * std::max<int64_t>(1, keys), 0, p.KVH, KeyPart{}, -1});
