@@ -78,9 +78,13 @@ for d in jax.devices():
 GPU=$("$PY" -c "import jax; print(int(jax.default_backend() == 'gpu'))" 2>/dev/null || echo 0)
 if [ "$GPU" = 1 ]; then
   command -v nvidia-smi > /dev/null && step nvidia-smi 20 nvidia-smi
-  # -rs: the reason of every skip (fp8 where the GPU lacks it) in the report
-  # 250 s on a cold H200 (2026-11-27: 38 of 41 tests in the 200 s this step had then; compilation)
-  if step gpu-tests 280 "$PY" -m pytest -q -rs -p no:cacheprovider -m gpu $GPU_TESTS \
+  # -rs: the reason of every skip (fp8 where the GPU lacks it) in the report.
+  # The step is host-bound compilation: 247-251 s in one process on a cold H200 (2026-11-27, twice), so
+  # where pytest-xdist is installed (the GPU image has it) 4 workers compile side by side, sharing the
+  # GPU's memory as they need it instead of each taking JAX's default 75 %.
+  XDIST=""
+  "$PY" -c "import xdist" 2> /dev/null && XDIST="-n 4"
+  if XLA_PYTHON_CLIENT_PREALLOCATE=false step gpu-tests 280 "$PY" -m pytest -q -rs -p no:cacheprovider $XDIST -m gpu $GPU_TESTS \
      && ! grep -Eq '[1-9][0-9]* passed' "$STEP_OUT"; then
     echo "gpu-tests passed no test: FAILED" | tee -a "$LOG" >> "$REPORT"; FAILED=1
   fi
@@ -91,8 +95,9 @@ if [ "$GPU" = 1 ]; then
        --max-num-seqs 32 --attention-backend pallas --dtype bfloat16
   step hf-throughput 90 "$PY" experiments/bench_throughput.py --backend hf --hf-max-batch-size 32 --dataset sharegpt-like \
        --num-prompts 128 --max-total-len 256 --dtype bfloat16
-  # The throughput step's shapes (compiled programs cached): what is left of the budget, at most 90 s.
-  step profile-step 90 "$PY" experiments/profile_gpu_step.py --num-prompts 64 --max-num-seqs 32 --max-total-len 256 \
+  # The throughput step's requests, so the same longest request and step shapes: its compiled programs
+  # come from the cache (with 64 prompts the longest differed and warm-up compiled again, 82 s).
+  step profile-step 120 "$PY" experiments/profile_gpu_step.py --num-prompts 128 --max-num-seqs 32 --max-total-len 256 \
        --dtype bfloat16 --attention-backend pallas
 else
   skipped nvidia-smi
