@@ -2,7 +2,8 @@
 one grouped matmul (:func:`grouped_experts`), or with the experts split over devices, each device
 running its own (:func:`split_experts`).
 
-On a CPU with the native library's AVX-512 tiles the engine stores float32 experts as
+Where the engine packs float32 weights for the native matmul (:func:`paged_jax.native.packs_weights`:
+AVX-512 tiles, or AVX2 ones on a CPU without AVX-512) it stores float32 experts as
 :class:`~paged_jax.weights.panels.PanelExpertStack` (column panels), and the step is the native
 grouped matmul (``paged_jax/native/grouped_linear.cc``): the (token, expert) pairs sorted by
 expert, exactly their rows (T x k, no window padding), every expert's segment over its own panels
@@ -21,7 +22,7 @@ separate stacks would need joining for every weight format).
 The experts are :class:`~paged_jax.weights.experts.ExpertStack` weights ``gate``, ``up`` ``[E, H, I]``
 and ``down`` ``[E, I, H]`` (float or quantized: each stack runs its class's own matmul).
 
-Elsewhere (quantized or half-precision experts, a GPU, no AVX-512 tiles, tensor parallelism): the
+Elsewhere (quantized or half-precision experts, a GPU, float32 left to XLA, tensor parallelism): the
 step's (token, expert) pairs are sorted by expert, and every expert multiplies a window of the sorted
 rows that starts at its own segment, all experts in one batched matmul against the stacked weights
 (``[E, C, H] @ [E, H, I]``). The window size C is the step's largest segment

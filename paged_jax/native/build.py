@@ -205,8 +205,14 @@ def quantized_native_rows(dtype: str):
 
 def packs_weights() -> bool:
     """Whether a runner on this CPU should pack its float32 weights for :func:`linear`: the kernels
-    are built, with the matmul's AVX-512 tiles. Its AVX2 tiles beat XLA's float32 matmul at batch 1
-    but lose to it at batch 8 (decode tokens/s 1.16x and 0.83x, ``experiments/bench_isa_decode.py``
-    on an AVX-512 CPU with AVX-512 turned off), and the portable loops lose at both, so float32
-    weights stay with XLA there (quantized ones are packed wherever the kernels are built)."""
-    return available() and _state.get("linear_isa", 0) == 2
+    are built, with the matmul's AVX-512 tiles, or with its AVX2 tiles on a CPU without AVX-512.
+
+    On a CPU with only AVX2 (2 cores of an AMD EPYC, ``experiments/bench_isa_decode.py --batches 1 4
+    8 32``), the AVX2 panels decode 1.17-1.37x / 1.64-1.99x / 1.58-1.76x / 1.28-1.36x the tokens/s of
+    XLA's float32 matmul at batch 1 / 4 / 8 / 32, and ``bench_matmul_isa.py`` has them at 0.90-1.01x
+    XLA's at 128-512 rows (prefill). An AVX-512 CPU running the AVX2 build (``-mno-avx512f``) keeps
+    XLA's matmul: XLA's float32 dots still run AVX-512 kernels there (YNNPACK picks them at run
+    time), and beat the AVX2 tiles at batch 8 (0.83x). The portable loops lose everywhere.
+    Quantized weights are packed wherever the kernels are built."""
+    isa = _state.get("linear_isa", 0)
+    return available() and (isa == 2 or (isa == 1 and "avx512f" not in cpu_isa()))

@@ -22,8 +22,8 @@ def prepare(params, platform: str, *, quantization: Optional[str] = None, tensor
     2. on a CPU, with one device (``tensor_parallel`` False) and ``native_kernels`` where the
        native library builds: the weights its matmuls take stored as panels
        (:func:`~paged_jax.weights.panels.to_panels`): quantized ones always, float32 ones where the
-       float matmul has its AVX-512 tiles (:func:`~paged_jax.native.packs_weights`: its AVX2 tiles
-       lose to XLA's matmul at batch 8, its portable loops at every batch); ``"int4"`` /
+       float matmul has AVX-512 tiles, or AVX2 tiles on a CPU without AVX-512
+       (:func:`~paged_jax.native.packs_weights`: its portable loops lose to XLA's matmul); ``"int4"`` /
        ``"int4-g128"`` weights to the int4 x int8 kernel, as llama.cpp multiplies q4_0 (the
        activations quantized to int8 per block of 32, :func:`paged_jax.native.linear_int4`);
     3. there, each layer's Q, K and V panels, and its gate and up ones, stored as one weight
@@ -38,7 +38,7 @@ def prepare(params, platform: str, *, quantization: Optional[str] = None, tensor
         params = to_panels(params, floats=floats, int4_int8=quantization in INT4_GROUPS)
         params = fuse_inputs(params)  # Q, K, V and gate, up: one call each (bitwise the same outputs)
         logger.info("weights stored for the native CPU matmuls (%s)", "float32 and quantized" if floats else
-                    "quantized only: without AVX-512 tiles XLA's float32 matmul is the faster at batch 8")
+                    "quantized only: XLA's float32 matmul is the faster on this CPU and build")
         limits = native.status()["quantized_native_rows"]
         if quantization is not None and any(v is not None for v in limits.values()):
             logger.info("quantized matmuls: the native kernel for steps of up to so many rows (%s), XLA's "
