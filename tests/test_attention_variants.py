@@ -10,35 +10,13 @@ import pytest
 
 import jax.numpy as jnp
 
+from tests.attention_oracle import numpy_attention
 from paged_jax.attention import (AttentionMetadata, AttentionSpec, ReferenceBackend, get_backend,
                                  paged_attention_reference, register_backend)
 from paged_jax.attention.variants import (sliding_window_attention, sliding_window_backend, soft_cap_attention,
                                           soft_cap_backend)
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def numpy_attention(q, k_cache, v_cache, tables, lens, qlens, scale, window=None, cap=None):
-    """Loop-per-query oracle: gather the sequence's tokens, causal softmax (optionally windowed / capped)."""
-    S, Q, H, D = q.shape
-    bs, KVH = k_cache.shape[1], k_cache.shape[2]
-    out = np.zeros_like(q)
-    for s in range(S):
-        n = lens[s]
-        pos = np.arange(n)
-        k = k_cache[tables[s, pos // bs], pos % bs]  # [n, KVH, D]
-        v = v_cache[tables[s, pos // bs], pos % bs]
-        for i in range(qlens[s]):
-            p = n - qlens[s] + i
-            seen = pos <= p if window is None else (pos <= p) & (pos > p - window)
-            for h in range(H):
-                kh = h // (H // KVH)
-                x = k[seen, kh] @ q[s, i, h] * scale
-                if cap is not None:
-                    x = cap * np.tanh(x / cap)
-                w = np.exp(x - x.max())
-                out[s, i, h] = w @ v[seen, kh] / w.sum()
-    return out
 
 
 def random_case(seed=0, S=3, Q=6, H=4, KVH=2, D=8, bs=4, mb=5):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from tests.attention_oracle import numpy_attention
 from tests.hf_models import load_hf
 
 CONFIG = dict(hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
@@ -131,25 +132,6 @@ def test_gpt_oss_greedy_with_chunked_prefill_prefix_caching_and_preemption(gpt_o
 # --- attention sinks, backend by backend -----------------------------------------------------------
 
 
-def _sink_attention_numpy(q, k, v, sinks, scale, window=None):
-    """One sequence's causal attention with a sink logit per head: q [Q, H, D] (the last Q of the L
-    positions), k, v [L, KVH, D]."""
-    Q, H, D = q.shape
-    L, KVH, _ = k.shape
-    out = np.zeros((Q, H, D))
-    for i in range(Q):
-        pos = L - Q + i
-        for h in range(H):
-            kh = h // (H // KVH)
-            keys = np.arange(L)
-            seen = (keys <= pos) & ((keys > pos - window) if window else True)
-            s = (k[seen, kh] @ q[i, h]) * scale
-            m = max(s.max(), sinks[h])
-            e = np.exp(s - m)
-            out[i, h] = e @ v[seen, kh] / (e.sum() + np.exp(sinks[h] - m))
-    return out
-
-
 @pytest.mark.parametrize("window", [None, 5])
 def test_sinks_in_reference_blockwise_and_decode_equal_numpy(window):
     """The dense reference, the blockwise prefill (several K/V chunks) and the decode path, each with
@@ -166,9 +148,7 @@ def test_sinks_in_reference_blockwise_and_decode_equal_numpy(window):
     v_cache = rng.standard_normal((9, bs, KVH, D)).astype(np.float32)
     q = rng.standard_normal((Q, H, D)).astype(np.float32)
     sinks = np.array([3.0, -1.0, 0.5, 8.0], np.float32)  # head 3's sink takes most of its weight
-    k = k_cache[table].reshape(-1, KVH, D)[:L]
-    v = v_cache[table].reshape(-1, KVH, D)[:L]
-    want = _sink_attention_numpy(q, k, v, sinks, 0.3, window)
+    want = numpy_attention(q[None], k_cache, v_cache, table[None], [L], [Q], 0.3, window, sinks=sinks)[0]
     args = (jnp.asarray(q)[None], k_cache, v_cache, jnp.asarray(table, jnp.int32)[None], jnp.array([L]), jnp.array([Q]))
     mask = None if window is None else (lambda qp, kp: kp > qp - window)
     dense = paged_attention_reference(*args, 0.3, sinks=sinks, mask_mod=mask)[0]
@@ -199,9 +179,8 @@ def test_sinks_in_the_native_kernel_equal_numpy(window):
     lens, qlens = np.array([23, 17], np.int32), np.array([9, 1], np.int32)
     q = rng.standard_normal((10, H, D)).astype(np.float32)
     sinks = np.array([3.0, -1.0, 0.5, 8.0], np.float32)
-    want = np.concatenate([_sink_attention_numpy(q[a:a + n], k_cache[t].reshape(-1, KVH, D)[:L],
-                                                 v_cache[t].reshape(-1, KVH, D)[:L], sinks, 0.3, window)
-                           for a, n, t, L in ((0, 9, tables[0], 23), (9, 1, tables[1], 17))])
+    want = np.concatenate([numpy_attention(q[a:a + n][None], k_cache, v_cache, t[None], [L], [n], 0.3, window,
+                                           sinks=sinks)[0] for a, n, t, L in ((0, 9, tables[0], 23), (9, 1, tables[1], 17))])
     args = (tables, lens, np.array([0, 9], np.int32), qlens, 0.3, window, None)
     got = native.paged_attention(jnp.asarray(q), k_cache, v_cache, *args, sinks=sinks)
     np.testing.assert_allclose(np.asarray(got), want, atol=1e-5)

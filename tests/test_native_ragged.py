@@ -15,7 +15,8 @@ import pytest
 from paged_jax import native
 from paged_jax.attention import kv_quant
 from tests.native_paths import PORTABLE_FLAGS, native_paths_report, run_build  # noqa: F401 (autouse: the report)
-from tests.test_kv_quant_kernels import numpy_attention, numpy_dequantize
+from tests.attention_oracle import numpy_attention
+from tests.test_kv_quant_kernels import numpy_dequantize
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernel not built: {native.status()}")
 

@@ -13,7 +13,8 @@ import jax.numpy as jnp
 
 from paged_jax.attention import (AttentionMetadata, AttentionSpec, REFERENCE, blockwise_prefill_attention,
                                  paged_attention_reference, soft_cap_mod, window_mask_mod)
-from tests.test_attention_variants import numpy_attention, random_case
+from tests.attention_oracle import numpy_attention
+from tests.test_attention_variants import random_case
 
 
 def random_batch(rng, S, H, KVH, D, block_size, max_len):

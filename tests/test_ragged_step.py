@@ -15,7 +15,7 @@ from paged_jax import native
 from paged_jax.attention import AttentionSpec, get_backend, paged_attention_layer
 from paged_jax.executor.batch import (SeqChunk, num_tiles, prepare_batch, split_steps, tile_capacity,
                                       warmup_shapes)
-from tests.test_attention_variants import numpy_attention
+from tests.attention_oracle import numpy_attention
 
 BS, H, KVH, D = 4, 4, 2, 8
 
