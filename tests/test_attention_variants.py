@@ -10,11 +10,11 @@ import pytest
 
 import jax.numpy as jnp
 
-from tests.attention_oracle import numpy_attention
 from paged_jax.attention import (AttentionMetadata, AttentionSpec, ReferenceBackend, get_backend,
                                  paged_attention_reference, register_backend)
 from paged_jax.attention.variants import (sliding_window_attention, sliding_window_backend, soft_cap_attention,
                                           soft_cap_backend)
+from tests.attention_oracle import numpy_attention
 
 ROOT = Path(__file__).resolve().parent.parent
 
