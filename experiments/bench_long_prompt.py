@@ -91,7 +91,7 @@ def child(model: str, path: str, n: int, max_planned_gb: float) -> dict:
     # Compile the prompt's step ahead of time, as warm_up does, to read XLA's plan before running it.
     key = prepare_batch([SeqChunk(list(range(n)), 0, list(range(1, blocks + 1)))], BLOCK_SIZE).shape_key
     t0 = time.perf_counter()
-    compiled = runner._step.lower(runner._param_leaves, runner.kv_caches, Batch.abstract(key), False).compile()
+    compiled = runner._step.lower(runner.param_leaves, runner.kv_caches, Batch.abstract(key), False).compile()
     compile_s = time.perf_counter() - t0
     planned = compiled.memory_analysis().temp_size_in_bytes
     runner._executables[(key, False)] = compiled

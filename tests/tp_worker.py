@@ -26,7 +26,7 @@ def step_collectives(runner) -> dict:
     from paged_jax.executor.batch import SeqChunk, prepare_batch
 
     b = prepare_batch([SeqChunk([5], 7, [1]), SeqChunk([6], 3, [2])], runner.block_size)
-    hlo = runner._step.lower(runner._param_leaves, runner.kv_caches, b, False).compile().as_text()
+    hlo = runner._step.lower(runner.param_leaves, runner.kv_caches, b, False).compile().as_text()
     found: dict = {}
     for shape, op in re.findall(r"= (\S+) (all-reduce|all-gather|reduce-scatter|all-to-all)(?:-start)?\(", hlo):
         found.setdefault(op, []).append(shape)

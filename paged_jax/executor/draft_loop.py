@@ -54,7 +54,8 @@ jax.tree_util.register_dataclass(LoopDraws, data_fields=[f.name for f in datacla
 
 def make_draft_loop(step, block_size: int, num_steps: int, vocab_size: int):
     """``loop(params, kv_caches, batch, limits, draws=None) -> (tokens int32[num_steps, S], q, kv_caches)``
-    jitted, for ``step`` the runner's step function (:func:`paged_jax.executor.model_runner.make_step`):
+    jitted, for ``step`` the runner's step function (:func:`paged_jax.executor.model_runner.make_step`;
+    the draft model's takes its runner's ``param_leaves`` as ``params``, ``on_param_leaves``):
     step j runs row s's token at ``batch.positions[s] + j`` (its first token from ``batch.input_ids``,
     then the draft of the step before) while ``j < limits[s]``. ``draws`` (:class:`LoopDraws`): the
     sampled rows' draws; ``q`` float32[num_steps, S, V] the distributions they were drawn from (None

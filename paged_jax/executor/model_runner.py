@@ -138,7 +138,7 @@ def make_step(config: ModelConfig, attn, kv_layout=None):
     return step
 
 
-def _on_param_leaves(model_step, param_tree):
+def on_param_leaves(model_step, param_tree):
     """``model_step(params, ...)`` taking the weights as ``param_tree``'s list of leaves instead (named
     ``step`` still: traces, profiles and the compile events name the step so)."""
 
@@ -160,9 +160,10 @@ class ModelRunner:
         over KV heads, the attention backend run per device in shard_map. ``kv_layout``: a
         :class:`~paged_jax.memory.KVLayout` with several layer groups (None: one array pair per layer)."""
         self.config, self.params, self.block_size = config, params, block_size
-        # The step takes the weights as their flat list of leaves, fixed here: each launch then
-        # flattens a list, where the weight tree's custom nodes cost about 57 us a call (62 leaves).
-        self._param_leaves, param_tree = jax.tree.flatten(params)
+        # The step (and a draft model's loop) takes the weights as their flat list of leaves, fixed
+        # here: each launch then flattens a list, where the weight tree's custom nodes cost about
+        # 57 us a call (62 leaves). ``params`` stays the tree, for reading.
+        self.param_leaves, self.param_tree = jax.tree.flatten(params)
         self.kv_layout = kv_layout if kv_layout is not None and kv_layout.num_groups > 1 else None
         self.num_layer_groups = 1 if self.kv_layout is None else self.kv_layout.num_groups
         if mesh is not None and attention_backend == AUTO:
@@ -194,7 +195,7 @@ class ModelRunner:
         self._executables: dict = {}  # (shape_key, all_logits) -> compiled step, filled by warm_up
         self._functions: dict = {}  # (name, abstract arguments) -> compiled sampler, see _call
         self.sampler = StepSampler(config.vocab_size, seed, self._call)
-        self._step = jax.jit(_on_param_leaves(make_step(config, self.attn, self.kv_layout), param_tree),
+        self._step = jax.jit(on_param_leaves(make_step(config, self.attn, self.kv_layout), self.param_tree),
                              static_argnums=(3,), donate_argnums=(1,), out_shardings=out_shardings)
         # Compiled steps on disk (None when off): a fresh process skips tracing and lowering.
         self.executable_cache = executable_cache.for_runner(config, self.attn, self.params, self.kv_caches, mesh,
@@ -225,9 +226,9 @@ class ModelRunner:
         if compiled is None and self.executable_cache is not None:  # first use: load or compile, and store
             compiled = self._executables[key] = self._compile(batch, all_logits)
         if compiled is not None:
-            step_out, self.kv_caches = compiled(self._param_leaves, self.kv_caches, batch)
+            step_out, self.kv_caches = compiled(self.param_leaves, self.kv_caches, batch)
         else:
-            step_out, self.kv_caches = self._step(self._param_leaves, self.kv_caches, batch, all_logits)
+            step_out, self.kv_caches = self._step(self.param_leaves, self.kv_caches, batch, all_logits)
         return step_out
 
     def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
@@ -288,7 +289,7 @@ class ModelRunner:
         """The step compiled for ``batch``'s shape (arrays or ``Batch.abstract``): from the executable
         cache when it holds it (stored there when compiled here), else lowered and compiled."""
         def lower():
-            return self._step.lower(self._param_leaves, self.kv_caches, batch, all_logits)
+            return self._step.lower(self.param_leaves, self.kv_caches, batch, all_logits)
 
         if self.executable_cache is None:
             return lower().compile()

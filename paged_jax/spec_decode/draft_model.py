@@ -53,12 +53,12 @@ class DraftModelProposer:
 
     def __init__(self, runner, k: int) -> None:
         from paged_jax.executor.draft_loop import make_draft_loop
-        from paged_jax.executor.model_runner import make_step
+        from paged_jax.executor.model_runner import make_step, on_param_leaves
 
         self.runner, self.k = runner, k
         # Drafts after the first (greedy and sampled): k one-token steps in one jitted call (executor/draft_loop.py).
-        self.loop = make_draft_loop(make_step(runner.config, runner.attn), runner.block_size, k + 1,
-                                    runner.config.vocab_size)
+        self.loop = make_draft_loop(on_param_leaves(make_step(runner.config, runner.attn), runner.param_tree),
+                                    runner.block_size, k + 1, runner.config.vocab_size)
         self.compiled_loops: dict = {}  # _loop_key -> the loop compiled by warm_up
         self.unseeded = np.random.default_rng(runner.seed)  # unseeded requests' draws
         self.probs: dict[int, np.ndarray] = {}  # the last propose's sampled rows: q of each draft, float32[drafts, V]
@@ -87,7 +87,7 @@ class DraftModelProposer:
             for d in draws:
                 loop_key = _loop_key(batch, d)
                 if loop_key not in self.compiled_loops:
-                    self.compiled_loops[loop_key] = self.loop.lower(r.params, r.kv_caches, batch, limits, d).compile()
+                    self.compiled_loops[loop_key] = self.loop.lower(r.param_leaves, r.kv_caches, batch, limits, d).compile()
 
     @classmethod
     def load(cls, path: str, target_runner, k: int) -> "DraftModelProposer":
@@ -174,7 +174,7 @@ class DraftModelProposer:
         draws = self._draws([out.scheduled[i] for i in run], from_loop, drawing, batch.block_tables.shape[0])
         r = self.runner
         loop = self.compiled_loops.get(_loop_key(batch, draws), self.loop)
-        out_tokens, qs, r.kv_caches = loop(r.params, r.kv_caches, batch, lim, draws)
+        out_tokens, qs, r.kv_caches = loop(r.param_leaves, r.kv_caches, batch, lim, draws)
         out_tokens = np.asarray(out_tokens)
         qs = None if qs is None else np.asarray(qs)
         for b, (i, seq, m, d) in enumerate(zip(run, seqs, n, from_loop)):
