@@ -2,7 +2,7 @@
 48 requests at once (llama-server with continuous batching), float32, 8-bit and 4-bit weights.
 
     python experiments/bench_llamacpp.py [--rounds 3] [--isa native|avx2] [--llama-threads 2] [--cache DIR]
-                                         [--batch-1-only]
+                                         [--batch-1-only] [--num-scheduler-steps 1 8]
 
 llama.cpp's tools are built once from the llama-cpp-python source distribution on PyPI
 (``pip download --no-binary``; CMake, ``-DGGML_NATIVE=ON``, only llama-bench, llama-server and
@@ -25,6 +25,9 @@ converted to GGUF f32 and q8_0 with llama.cpp's own ``convert_hf_to_gguf.py`` an
   sent at once: ``llama-server -np 48 -cb -t 2`` (started per format, the clock runs from the
   first request to the last answer) against paged-jax's ``LLM.generate`` of the same prompts
   (its second call: compiling left out).
+
+paged-jax runs once per ``--num-scheduler-steps`` value (default 1 and 8: one decode step per engine
+step, and multi-step decoding, ``paged_jax.multi_step``), each its own column.
 
 Each of ``--rounds`` rounds runs every format on both engines in turn; the best round of each is
 kept (and llama.cpp's best of ``--llama-threads``: on a machine shared with other work, its two
@@ -213,6 +216,8 @@ def main(argv=None):
                     help="llama.cpp's thread counts, the best kept (on a loaded machine -t 1 can beat -t 2)")
     ap.add_argument("--build-only", action="store_true", help="build llama.cpp's tools and stop")
     ap.add_argument("--batch-1-only", action="store_true", help="only the batch-1 decode table (no 48 requests)")
+    ap.add_argument("--num-scheduler-steps", type=int, nargs="+", default=[1, 8],
+                    help="paged-jax's decode steps per engine step, a column each (default: 1 and 8)")
     a = ap.parse_args(argv)
     if a.isa == "avx2" and os.environ.get("PAGED_JAX_NATIVE_FLAGS") is None:  # hold paged-jax to AVX2 too: re-run
         env = dict(os.environ, PAGED_JAX_NATIVE_FLAGS="-mno-avx512f",
@@ -234,23 +239,25 @@ def main(argv=None):
         prompt = rng.integers(3, vocab, PROMPT).tolist()
         prompts = [rng.integers(3, vocab, int(n)).tolist() for n in rng.integers(LENS[0], LENS[1] + 1, REQUESTS)]
         blocks = REQUESTS * ((LENS[1] + OUT_LEN) // 16 + 2)
-        engines = {}
+        engines, steps = {}, a.num_scheduler_steps
         for name, (_, q) in FORMATS.items():
-            engines[name] = LLM(str(model), quantization=q, max_model_len=512, num_kv_blocks=blocks,
-                                max_num_seqs=REQUESTS)
-            paged_jax_decode(engines[name], prompt)  # compiles what the cells reach
-            if not a.batch_1_only:
-                paged_jax_batch(engines[name], prompts)
+            for k in steps:
+                engines[name, k] = LLM(str(model), quantization=q, max_model_len=512, num_kv_blocks=blocks,
+                                       max_num_seqs=REQUESTS, num_scheduler_steps=k)
+                paged_jax_decode(engines[name, k], prompt)  # compiles what the cells reach
+                if not a.batch_1_only:
+                    paged_jax_batch(engines[name, k], prompts)
         best: dict = {}
         tokens: dict = {}
         loads = [os.getloadavg()[0]]  # the machine's 1-minute load average, before and after each round
         for r in range(a.rounds):
             for name, (fmt, _) in FORMATS.items():
                 cells = {("llama.cpp", "decode"): lambda: llama_bench(bin_dir, ggufs[fmt], a.llama_threads),
-                         ("paged-jax", "decode"): lambda: paged_jax_decode(engines[name], prompt),
                          ("llama.cpp", "batch"): lambda: max((llama_server(bin_dir, ggufs[fmt], prompts, a.port, t)
-                                                              for t in a.llama_threads), key=lambda o: o[0]),
-                         ("paged-jax", "batch"): lambda: paged_jax_batch(engines[name], prompts)}
+                                                              for t in a.llama_threads), key=lambda o: o[0])}
+                for k in steps:
+                    cells[f"paged-jax k={k}", "decode"] = lambda k=k: paged_jax_decode(engines[name, k], prompt)
+                    cells[f"paged-jax k={k}", "batch"] = lambda k=k: paged_jax_batch(engines[name, k], prompts)
                 if a.batch_1_only:
                     cells = {k: f for k, f in cells.items() if k[1] == "decode"}
                 for (engine, kind), f in cells.items():
@@ -271,21 +278,32 @@ def main(argv=None):
     print(f"best of {a.rounds} alternating rounds; 1-minute load average {min(loads):.1f}-{max(loads):.1f} "
           f"(before and after each round)\n")
     t = "/".join(map(str, a.llama_threads))
-    print(f"| batch-1 decode, {PROMPT}-token context, tokens/s | llama.cpp (llama-bench -t {t}) | paged-jax | over it |")
-    print("|---|---:|---:|---:|")
+    ours = "".join(f" paged-jax, num_scheduler_steps={k} | over it |" for k in steps)
+    rule = "|---|---:|" + "---:|---:|" * len(steps)
+    print(f"| batch-1 decode, {PROMPT}-token context, tokens/s | llama.cpp (llama-bench -t {t}) |{ours}")
+    print(rule)
     for n, (fmt, q) in FORMATS.items():
-        lc, pj = best["llama.cpp", "decode", n], best["paged-jax", "decode", n]
-        print(f"| {n} ({fmt} / quantization={q!r}) | {lc:.1f} | {pj:.1f} | {pj / lc:.2f}x |")
+        print(f"| {n} ({fmt} / quantization={q!r}) | {best['llama.cpp', 'decode', n]:.1f} |"
+              + _ratios(best, "decode", n, steps))
     if a.batch_1_only:
         return
-    print(f"\n| {REQUESTS} requests, prompts {LENS[0]}-{LENS[1]}, {OUT_LEN} tokens out, output tokens/s | llama.cpp "
-          f"(llama-server -np {REQUESTS} -cb -t {t}) | paged-jax (second call) | over it |")
-    print("|---|---:|---:|---:|")
+    print(f"\n| {REQUESTS} requests, prompts {LENS[0]}-{LENS[1]}, {OUT_LEN} tokens out, output tokens/s (paged-jax: "
+          f"its second call) | llama.cpp (llama-server -np {REQUESTS} -cb -t {t}) |{ours}")
+    print(rule)
     for n, (fmt, q) in FORMATS.items():
-        lc, pj = best["llama.cpp", "batch", n], best["paged-jax", "batch", n]
-        print(f"| {n} ({fmt} / quantization={q!r}) | {lc:.1f} | {pj:.1f} | {pj / lc:.2f}x |")
-    same = sum(x == y for x, y in zip(tokens["llama.cpp", "float32"], tokens["paged-jax", "float32"]))
-    print(f"\nfloat32: {same} of {REQUESTS} requests' {OUT_LEN} greedy tokens the same on both engines")
+        print(f"| {n} ({fmt} / quantization={q!r}) | {best['llama.cpp', 'batch', n]:.1f} |"
+              + _ratios(best, "batch", n, steps))
+    for k in steps:
+        same = sum(x == y for x, y in zip(tokens["llama.cpp", "float32"], tokens[f"paged-jax k={k}", "float32"]))
+        print(f"\nfloat32, num_scheduler_steps={k}: {same} of {REQUESTS} requests' {OUT_LEN} greedy tokens the same "
+              f"on both engines")
+
+
+def _ratios(best: dict, kind: str, fmt: str, steps: list) -> str:
+    """A table row's paged-jax cells: each num_scheduler_steps' rate and its ratio over llama.cpp's."""
+    lc = best["llama.cpp", kind, fmt]
+    return "".join(f" {best[f'paged-jax k={k}', kind, fmt]:.1f} | {best[f'paged-jax k={k}', kind, fmt] / lc:.2f}x |"
+                   for k in steps)
 
 
 if __name__ == "__main__":

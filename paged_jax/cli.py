@@ -47,6 +47,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--speculative-config", type=_speculative_config, default=None, metavar="JSON",
                    help="speculative decoding, vLLM's dict as JSON, e.g. '{\"method\": \"ngram\", "
                         "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4}' (default: off)")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="decode steps per engine step where every running request decodes greedily and none "
+                        "waits: k > 1 runs k of them in one call, the engine's own work paid once (default: 1)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices to split the model over (Megatron-style tensor parallelism)")
@@ -95,7 +98,8 @@ def _llm(a):
                warm_up=getattr(a, "warm_up", False), quantization=a.quantization,
                kv_cache_dtype=a.kv_cache_dtype, scheduling_policy=a.scheduling_policy,
                target_itl_ms=a.target_itl_ms, native_kernels=a.native_kernels,
-               compile_cache_dir=a.compile_cache_dir, speculative_config=a.speculative_config)
+               compile_cache_dir=a.compile_cache_dir, speculative_config=a.speculative_config,
+               num_scheduler_steps=a.num_scheduler_steps)
 
 
 def cmd_generate(a) -> int:

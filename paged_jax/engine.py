@@ -8,7 +8,6 @@ sequences' blocks.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import time
@@ -18,12 +17,13 @@ from paged_jax.engine_args import DYNAMIC_ROPE_SHARING, EngineArgs, build_engine
 from paged_jax.beam_search import BeamState, num_candidates
 from paged_jax.engine_beams import apply_beam_step
 from paged_jax.engine_stats import engine_stats
-from paged_jax.executor.interface import Executor, RowSampling
+from paged_jax.executor.interface import Executor
 from paged_jax.memory.block_manager import BlockManager
+from paged_jax.multi_step import MultiStepDecoder, check_multi_step, check_num_scheduler_steps
 from paged_jax.outputs import RequestOutput, request_output
+from paged_jax.row_sampling import attach_bitmasks, row_sampling
 from paged_jax.sampling_params import SamplingParams
-from paged_jax.scheduler import ScheduledSeq, Scheduler, SchedulerConfig, SchedulerOutput
-from paged_jax.seeds import seed_for_sample
+from paged_jax.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
 from paged_jax.spec_decode import SpecDecoder
 from paged_jax.step_cost import StepCostModel, StepLoad, calibrate
@@ -49,13 +49,14 @@ class LLMEngine:
             step_cost = StepCostModel(padded_tokens=lambda tokens, rows: step_buckets(tokens, rows)[0],
                                       query_tile=TILE_SIZE)
         self._init_core(parts.scheduler_config, parts.block_manager, parts.runner, parts.model_config.vocab_size,
-                        step_cost=step_cost, speculative_config=args.speculative_config)
+                        step_cost=step_cost, speculative_config=args.speculative_config,
+                        num_scheduler_steps=args.num_scheduler_steps)
 
     @classmethod
     def from_components(cls, scheduler_config: SchedulerConfig, block_manager: BlockManager, executor: Executor,
                         vocab_size: int, tokenizer=None, eos_token_id: Optional[int] = None,
                         clock=time.monotonic, step_cost: Optional[StepCostModel] = None,
-                        speculative_config=None) -> "LLMEngine":
+                        speculative_config=None, num_scheduler_steps: int = 1) -> "LLMEngine":
         """An engine over given parts, without loading a model: ``executor`` implements
         :class:`paged_jax.executor.interface.Executor` (a simulator, a test's fake). With
         no tokenizer, requests are given as token ids and nothing is detokenized (stop
@@ -66,12 +67,12 @@ class LLMEngine:
         engine.eos_token_id = eos_token_id
         engine.eos_token_ids = frozenset(() if eos_token_id is None else (eos_token_id,))
         engine._init_core(scheduler_config, block_manager, executor, vocab_size, clock, step_cost,
-                          speculative_config)
+                          speculative_config, num_scheduler_steps)
         return engine
 
     def _init_core(self, scheduler_config: SchedulerConfig, block_manager: BlockManager, executor: Executor,
                    vocab_size: int, clock=time.monotonic, step_cost: Optional[StepCostModel] = None,
-                   speculative_config=None) -> None:
+                   speculative_config=None, num_scheduler_steps: int = 1) -> None:
         self.scheduler_config = scheduler_config
         self.block_manager = block_manager
         self.scheduler = Scheduler(scheduler_config, block_manager, step_cost)
@@ -93,6 +94,12 @@ class LLMEngine:
         draft_or_cost = getattr(self.spec_decoder, "draft", None) or self.scheduler.step_cost
         if draft_or_cost is not None and hasattr(executor, "run_ahead"):
             executor.run_ahead = False
+        self.multi_step = None  # num_scheduler_steps > 1: several decode steps per engine step (paged_jax.multi_step)
+        if num_scheduler_steps > 1:
+            check_num_scheduler_steps(num_scheduler_steps, speculative_config, self.scheduler_config.target_itl_ms)
+            check_multi_step(executor)
+            self.multi_step = MultiStepDecoder(num_scheduler_steps, block_manager, scheduler_config.max_model_len,
+                                               self.eos_token_id)
 
     def warm_up(self, sampling_params: Union[None, SamplingParams, list[SamplingParams]] = None,
                 progress: bool = True) -> int:
@@ -106,6 +113,8 @@ class LLMEngine:
         c = self.scheduler_config
         # With speculative decoding: its draft model's steps, and the verification steps (ModelRunner's argument).
         spec = {} if self.spec_decoder is None else self.spec_decoder.warm_up(c, progress, sampling_params)
+        if self.multi_step is not None:  # and the decode loops
+            spec["num_scheduler_steps"] = self.multi_step.num_steps
         compiled = self.runner.warm_up(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len, sampling_params,
                                        self.eos_token_id, progress, **spec)
         calibrate(self)  # with a latency target: the step-cost model from a few measured steps (no-op otherwise)
@@ -249,11 +258,16 @@ class LLMEngine:
         # With a latency target, the whole step's time (what a stream waits) feeds the step-cost model.
         load = StepLoad.of((r.num_tokens, r.start_pos) for r in out.scheduled) if self.scheduler.step_cost else None
         t1 = time.perf_counter()
-        sampling, masks = [self._row_sampling(row) for row in out.scheduled], None
+        sampling, masks = [row_sampling(row) for row in out.scheduled], None
         if self._grammars is not None:
-            sampling, masks = self._attach_bitmasks(out.scheduled, sampling)
+            sampling, masks = attach_bitmasks(self._grammars, out.scheduled, sampling)
         sampling = self.spec_decoder.attach(sampling, drafts, out) if drafts else sampling
-        result = self.runner.execute(out, sampling, self.eos_token_id)
+        # Multi-step decoding: each row's tokens of several decode steps in one call (None: one step).
+        multi = self.multi_step.plan(out, sampling) if self.multi_step is not None else None
+        if multi is not None:
+            result = self.runner.execute_steps(out, sampling, multi, self.multi_step.num_steps)
+        else:
+            result = self.runner.execute(out, sampling, self.eos_token_id)
         if masks is not None:
             masks.result()  # done (the sampler read them); the matchers advance below
         t2 = time.perf_counter()
@@ -272,6 +286,9 @@ class LLMEngine:
                 acc.extend(new[max(0, len(acc) - 1 - row.start_pos):])
             seq.num_computed_tokens += row.num_tokens
             samples = result.samples.get(i)
+            if multi is not None:  # the row's tokens of every step, appended and stop-checked one by one
+                self.multi_step.apply(seq, samples, lambda smp, s=seq, g=group: self._append(s, smp, g))
+                continue
             if i in drafts:  # speculative decoding: the accepted drafts and the model's next token, stop-checked
                 self.spec_decoder.apply(seq, drafts[i], samples, lambda smp, s=seq, g=group: self._append(s, smp, g))
                 continue
@@ -320,41 +337,6 @@ class LLMEngine:
         if load is not None and self.runner.num_compilations == compilations:  # a compiling step is no sample
             self.scheduler.step_cost.observe(load, self.clock() - start)
         return outputs
-
-    def _row_sampling(self, row: ScheduledSeq) -> RowSampling:
-        """What the executor draws for one scheduled row. A row whose chunk completes its
-        sequence samples: ``best_of`` times on a request's first token (``step`` forks the
-        extra samples from the prompt), otherwise once, each sample with its own seed; a beam
-        row's sample carries the beam's best candidates. Rows running prompt tokens of a
-        request that asks for prompt logprobs get those."""
-        seq, group, p = row.seq, row.group, row.group.sampling_params
-        seeds = ()
-        if row.completes:
-            first = seq.get_output_len() == 0 and group.num_seqs() == 1
-            k = p.best_of if first and not p.use_beam_search else 1
-            sample_indices = range(k) if k > 1 else [seq.sample_index]
-            seeds = tuple(None if p.seed is None else seed_for_sample(p.seed, j) for j in sample_indices)
-        # More candidates than the search's when more logprobs are asked for: the extra ones
-        # rank below this beam's own top candidates and never enter the search.
-        cands = max(group.beam.num_candidates, p.logprobs or 0) if group.beam is not None else 0
-        prompt = p.prompt_logprobs if row.start_pos < seq.get_prompt_len() else None
-        return RowSampling(p, seeds, p.logprobs, cands, prompt)
-
-    def _attach_bitmasks(self, scheduled: list[ScheduledSeq], sampling: list[RowSampling]):
-        """Structured output: each constrained row that samples gets its grammar's token bitmask,
-        carried by a per-row copy of its params. The masks are computed in one parallel call in a
-        worker thread while the executor dispatches the step (the sampler waits for them).
-        Returns the rows' sampling and the pending masks (None without a constrained row)."""
-        rows = [i for i, row in enumerate(scheduled) if row.seq.matcher is not None and sampling[i].seeds]
-        if not rows:
-            return sampling, None
-        from paged_jax.structured_output.grammar import with_bitmask
-
-        masks = self._grammars.start_bitmasks([scheduled[i].seq.matcher for i in rows])
-        sampling = list(sampling)
-        for k, i in enumerate(rows):
-            sampling[i] = dataclasses.replace(sampling[i], params=with_bitmask(sampling[i].params, masks.row(k)))
-        return sampling, masks
 
     def _append(self, seq: Sequence, smp, group: SequenceGroup) -> None:
         if group.request_id in self._failed:

@@ -13,6 +13,7 @@ from typing import Any, Optional
 from paged_jax.memory.block_manager import BlockManager
 from paged_jax.memory.hybrid_block_manager import make_block_manager
 from paged_jax.memory.layer_groups import kv_layout
+from paged_jax.multi_step import check_num_scheduler_steps
 from paged_jax.policy import make_policy
 from paged_jax.scheduler import SchedulerConfig, check_target_itl_ms
 
@@ -69,6 +70,9 @@ class EngineArgs:
     # Speculative decoding, vLLM's dict: {"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_max": n,
     # "prompt_lookup_min": m} (paged_jax.spec_decode.SpeculativeConfig); None: off
     speculative_config: Any = None
+    # Decode steps per engine step where every row decodes greedily and nothing waits (vLLM's name):
+    # k > 1 runs k of them in one jitted call, the engine's host work paid once (paged_jax.multi_step)
+    num_scheduler_steps: int = 1
 
     def __post_init__(self):
         if not isinstance(self.block_size, int) or isinstance(self.block_size, bool) or not 1 <= self.block_size <= 256:
@@ -101,6 +105,7 @@ class EngineArgs:
             from paged_jax.spec_decode import SpeculativeConfig
 
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        check_num_scheduler_steps(self.num_scheduler_steps, self.speculative_config, self.target_itl_ms)
         tp = self.tensor_parallel_size
         if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1:
             raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {tp!r}")

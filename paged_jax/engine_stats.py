@@ -33,4 +33,6 @@ def engine_stats(engine) -> dict:
         "step_cost": engine.scheduler.step_cost.stats() if engine.scheduler.step_cost else None,
         # With speculative_config: drafts, acceptance (paged_jax.spec_decode.decoder.SpecDecodeStats)
         "spec_decode": engine.spec_decoder.get_stats() if engine.spec_decoder is not None else None,
+        # With num_scheduler_steps > 1: the engine steps that ran several decode steps (paged_jax.multi_step)
+        "multi_step": engine.multi_step.get_stats() if engine.multi_step is not None else None,
     }

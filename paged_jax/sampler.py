@@ -186,7 +186,7 @@ def _last_positive(x):
 def inverse_cdf(probs, u):
     """Per row, the token where the cumulative probability first exceeds
     ``u * total``; never a zero-probability token (when the row has any mass). The sampler's draw,
-    and a draft model's sampled draft in its jitted loop (``executor.draft_loop``)."""
+    and a draft model's sampled draft in its jitted loop (``executor.decode_loop``)."""
     S, V = probs.shape
     nb = -(-V // _CDF_BLOCK)
     p = jnp.pad(probs, ((0, 0), (0, nb * _CDF_BLOCK - V))).reshape(S, nb, _CDF_BLOCK)

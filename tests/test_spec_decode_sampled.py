@@ -90,7 +90,7 @@ def stand_in_loop():
     (the pending token's position: step j gives draft j)."""
     import jax.numpy as jnp
 
-    from paged_jax.executor.draft_loop import make_draft_loop
+    from paged_jax.executor.decode_loop import make_decode_loop
     from paged_jax.executor.model_runner import StepOutput
 
     table = jnp.asarray(np.concatenate([DRAFT_LOGITS, np.zeros((1, V), np.float32)]))
@@ -98,7 +98,7 @@ def stand_in_loop():
     def step(params, kv, batch, all_logits):
         return StepOutput(table[jnp.clip(batch.positions - START, 0, K)]), kv
 
-    return make_draft_loop(step, 4, K + 1, V)
+    return make_decode_loop(step, 4, K + 1, V)
 
 
 START = len(PROMPT) + len(OUTPUT) - 1
@@ -109,13 +109,13 @@ def loop_drafts(seeds: range) -> tuple[np.ndarray, np.ndarray]:
     uniforms from position_rng), and the q it returns: int[rows, K], float[rows, K, V]."""
     import jax.numpy as jnp
 
-    from paged_jax.executor.draft_loop import loop_batch, loop_draws
+    from paged_jax.executor.decode_loop import loop_batch, loop_draws
 
     n = len(seeds)
     batch, limits = loop_batch([OUTPUT[-1]] * n, [START] * n, [[1, 2]] * n, [K + 1] * n, block_size=4)
     u = np.array([[position_rng(s, len(OUTPUT) + j, DRAFT, None).random() for s in seeds] for j in range(K + 1)])
     draws = loop_draws([(PARAMS, s, PROMPT, OUTPUT) for s in seeds], batch.block_tables.shape[0], K + 1, V, u)
-    tokens, q, _ = stand_in_loop()(None, jnp.zeros(1), batch, limits, draws)
+    tokens, _, q, _ = stand_in_loop()(None, jnp.zeros(1), batch, limits, draws)
     return np.asarray(tokens)[:K, :n].T, np.asarray(q)[:K, :n].transpose(1, 0, 2)
 
 
@@ -179,7 +179,7 @@ def loop_drafts(seeds: range) -> tuple[np.ndarray, np.ndarray]:
     int[rows, K], float[rows, K, V]."""
     import jax.numpy as jnp
 
-    from paged_jax.executor.draft_loop import loop_batch, loop_draws, make_draft_loop
+    from paged_jax.executor.decode_loop import loop_batch, loop_draws, make_decode_loop
     from paged_jax.executor.model_runner import StepOutput
 
     start = len(PROMPT) + len(OUTPUT) - 1  # the pending token's position: step j gives draft j
@@ -192,6 +192,6 @@ def loop_drafts(seeds: range) -> tuple[np.ndarray, np.ndarray]:
     batch, limits = loop_batch([OUTPUT[-1]] * n, [start] * n, [[1, 2]] * n, [K + 1] * n, block_size=4)
     u = np.array([[position_rng(s, len(OUTPUT) + j, DRAFT, None).random() for s in seeds] for j in range(K + 1)])
     draws = loop_draws([(PARAMS, s, PROMPT, OUTPUT) for s in seeds], batch.block_tables.shape[0], K + 1, V, u)
-    tokens, q, _ = make_draft_loop(step, 4, K + 1, V)(None, jnp.zeros(1), batch, limits, draws)
+    tokens, _, q, _ = make_decode_loop(step, 4, K + 1, V)(None, jnp.zeros(1), batch, limits, draws)
     return np.asarray(tokens)[:K, :n].T, np.asarray(q)[:K, :n].transpose(1, 0, 2)
 

@@ -22,13 +22,15 @@ from paged_jax import envs
 from paged_jax.attention import AUTO, kv_quant, select_backend
 from paged_jax.executor import executable_cache
 from paged_jax.executor.batch import Batch, prepare_batch, split_steps, tile_capacity, warmup_shapes
+from paged_jax.executor.decode_loop import DecodeLoops
 from paged_jax.executor.draft_rows import drafts_as_rows, verification_chunks, verification_tiles
-from paged_jax.executor.interface import RowSampling, StepResult, check_sampling
+from paged_jax.executor.interface import RowSampling, Sample, StepResult, check_sampling
 from paged_jax.executor.run_ahead import AheadStep, next_decode_batch, same_step
 from paged_jax.executor.sampling import StepSampler
 from paged_jax.memory import cache_ops
 from paged_jax.models import compute_logits, forward
 from paged_jax.models.config import ModelConfig
+from paged_jax.outputs import make_logprobs_dict
 from paged_jax.sampler import greedy_tokens
 from paged_jax.scheduler import SchedulerOutput
 
@@ -195,15 +197,17 @@ class ModelRunner:
         self._executables: dict = {}  # (shape_key, all_logits) -> compiled step, filled by warm_up
         self._functions: dict = {}  # (name, abstract arguments) -> compiled sampler, see _call
         self.sampler = StepSampler(config.vocab_size, seed, self._call)
-        self._step = jax.jit(on_param_leaves(make_step(config, self.attn, self.kv_layout), self.param_tree),
-                             static_argnums=(3,), donate_argnums=(1,), out_shardings=out_shardings)
+        step = on_param_leaves(make_step(config, self.attn, self.kv_layout), self.param_tree)
+        self._step = jax.jit(step, static_argnums=(3,), donate_argnums=(1,), out_shardings=out_shardings)
+        # Multi-step decoding's loops of this step (execute_steps): on one device, one layer group.
+        self.decode_loops = DecodeLoops(step, block_size, config.vocab_size) if mesh is None and self.kv_layout is None else None
         # Compiled steps on disk (None when off): a fresh process skips tracing and lowering.
         self.executable_cache = executable_cache.for_runner(config, self.attn, self.params, self.kv_caches, mesh,
                                                             compile_cache_dir)
         self.timings = {"prepare": 0.0, "cache_ops": 0.0, "device": 0.0, "sample": 0.0}
         # The next decode step, dispatched before this one's tokens are read (paged_jax.executor.run_ahead):
         # on one device, one layer group; the engine turns it off with speculative decoding.
-        self.run_ahead = mesh is None and self.kv_layout is None
+        self.run_ahead = self.decode_loops is not None
         self._ahead: Optional[AheadStep] = None
         self.num_steps_run_ahead = 0  # steps whose outputs were taken from a step run ahead
 
@@ -212,7 +216,8 @@ class ModelRunner:
         """Distinct step shapes compiled (``(Batch.shape_key, all_logits)``), plus sampler variants
         (this runner's from the executable cache, else process-wide) and cache-op shapes (process-wide)."""
         return (len(self._compiled) + len(self._functions) + StepSampler.num_compilations()
-                + sum(cache_ops.num_compiled_shapes().values()))
+                + sum(cache_ops.num_compiled_shapes().values())
+                + (len(self.decode_loops.compiled) if self.decode_loops is not None else 0))
 
     def run_batch(self, batch: Batch, all_logits: bool = False) -> jax.Array:
         """The forward pass; returns the logits (on the device) of each row's last token, or of every token."""
@@ -233,15 +238,16 @@ class ModelRunner:
 
     def warm_up(self, max_num_seqs: int, max_num_batched_tokens: int, max_model_len: int,
                 sampling_params=None, eos_token_id: Optional[int] = None, progress: bool = True,
-                num_speculative_tokens: int = 0, return_probs: bool = False) -> int:
+                num_speculative_tokens: int = 0, return_probs: bool = False, num_scheduler_steps: int = 1) -> int:
         """Compile up front every step shape a run can reach (see :func:`warmup_shapes`),
         ahead of time (nothing runs on the device), and the sampler for every row bucket
         with ``sampling_params`` (default: greedy). With ``num_speculative_tokens`` (speculative
         decoding) also the verification steps (:func:`verification_chunks`): decode shapes of up to a
         row per token of the step, or the prefill shapes computing every token's logits; and the
         sampler and row selection for up to one sampler row per token. ``return_probs``: the
-        sampled params' processed distributions too (a draft model's sampled drafts). Returns the
-        number of step shapes compiled."""
+        sampled params' processed distributions too (a draft model's sampled drafts). With
+        ``num_scheduler_steps`` > 1 also the decode loops of that many steps (:meth:`execute_steps`).
+        Returns the number of step shapes compiled."""
         max_rows = max_num_seqs  # sampler rows; with drafts, up to one per token of the step
         if num_speculative_tokens:
             max_rows = max(max_num_seqs, min(max_num_batched_tokens, max_num_seqs * (num_speculative_tokens + 1)))
@@ -266,6 +272,9 @@ class ModelRunner:
         finally:
             if bar is not None:
                 bar.close()
+        if num_scheduler_steps > 1 and self.decode_loops is not None:
+            self.decode_loops.warm_up(num_scheduler_steps, self.param_leaves, self.kv_caches, max_num_seqs,
+                                      max_model_len)
         # The sampler for every row bucket, and the row selection out of each prefill shape's logits.
         self.sampler.warm_up(max_rows, [t for (t, _, _, tiles), _ in shapes if tiles], sampling_params, eos_token_id,
                              return_probs)
@@ -303,6 +312,42 @@ class ModelRunner:
             self._ahead = AheadStep(nxt, ids, self.run_step(nxt))
 
     # ---- one engine step -----------------------------------------------------
+    def _run_cache_ops(self, out: SchedulerOutput) -> None:
+        t0 = time.perf_counter()
+        if out.blocks_to_swap_out:
+            cache_ops.swap_out(self.kv_caches, self.host_pool, out.blocks_to_swap_out)
+        if out.blocks_to_swap_in:
+            self.kv_caches = cache_ops.swap_in(self.kv_caches, self.host_pool, out.blocks_to_swap_in)
+        if out.blocks_to_copy:
+            src, dst = zip(*out.blocks_to_copy)
+            self.kv_caches = cache_ops.copy_blocks(self.kv_caches, list(src), list(dst))
+        self.timings["cache_ops"] += time.perf_counter() - t0
+
+    def execute_steps(self, out: SchedulerOutput, sampling: Sequence[RowSampling], limits: Sequence[int],
+                      num_steps: int) -> StepResult:
+        """Multi-step decoding (``paged_jax.multi_step``): ``num_steps`` one-token steps of ``out``'s decode
+        rows in one jitted call (``paged_jax.executor.decode_loop``), each step's argmax the next one's
+        input. Row ``i`` runs its pending token at ``start_pos`` and keeps ``limits[i]`` tokens, its table
+        covering their slots. Every row asks for the plain argmax (``argmax_only``); its samples are the
+        steps' argmax and logprob (the logprobs entry with ``logprobs=0``), in order."""
+        check_sampling(out, sampling)
+        self._run_cache_ops(out)
+        self._ahead = None  # a step run ahead is dropped: the loop's first step writes its K/V slot again
+        t0 = time.perf_counter()
+        rows = out.scheduled
+        tokens = [row.seq.get_token_ids()[row.start_pos] for row in rows]
+        ids, logprobs, self.kv_caches = self.decode_loops.run(
+            num_steps, self.param_leaves, self.kv_caches, tokens, [row.start_pos for row in rows],
+            [row.block_table for row in rows], list(limits))
+        t1 = time.perf_counter()
+        self.timings["device"] += t1 - t0
+        result = StepResult()
+        for i, (n, spec) in enumerate(zip(limits, sampling)):
+            result.samples[i] = [Sample(int(ids[j, i]), float(logprobs[j, i]), None if spec.logprobs is None
+                                        else make_logprobs_dict(ids[j, i], logprobs[j, i], num=0)) for j in range(n)]
+        self.timings["sample"] += time.perf_counter() - t1
+        return result
+
     def execute(self, out: SchedulerOutput, sampling: Sequence[RowSampling] = (),
                 eos_token_id: Optional[int] = None) -> StepResult:
         """Run ``out``'s cache operations and forward pass, and draw what ``sampling`` asks.
@@ -313,16 +358,7 @@ class ModelRunner:
         What the samples mean (best_of fan-out, beams) is the engine's business.
         """
         check_sampling(out, sampling)
-        t0 = time.perf_counter()
-        if out.blocks_to_swap_out:
-            cache_ops.swap_out(self.kv_caches, self.host_pool, out.blocks_to_swap_out)
-        if out.blocks_to_swap_in:
-            self.kv_caches = cache_ops.swap_in(self.kv_caches, self.host_pool, out.blocks_to_swap_in)
-        if out.blocks_to_copy:
-            src, dst = zip(*out.blocks_to_copy)
-            self.kv_caches = cache_ops.copy_blocks(self.kv_caches, list(src), list(dst))
-        t1 = time.perf_counter()
-        self.timings["cache_ops"] += t1 - t0
+        self._run_cache_ops(out)
         result = StepResult()
         if not out.scheduled:
             return result

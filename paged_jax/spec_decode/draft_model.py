@@ -6,7 +6,7 @@ reads and writes through the SAME block tables, so allocation, copy-on-write, ro
 prefix caching need nothing new. Each engine step the draft first runs what the target runs (the
 step's chunks and cache operations: its cache stays filled like the target's), and the rows that
 speculate get their first draft from that run; then the draft loop (one jitted call of one-token
-steps, :mod:`paged_jax.executor.draft_loop`) gives the rest, each draft's slot appended to its sequence
+steps, :mod:`paged_jax.executor.decode_loop`) gives the rest, each draft's slot appended to its sequence
 and covered by its table before the draft model writes its K/V (the last draft too: when every draft
 is accepted the next step starts after it). A step of decodes only skips the first run: the loop runs
 the pending tokens itself.
@@ -52,12 +52,12 @@ class DraftModelProposer:
     """Proposes each speculating row's drafts with the draft model (see the module docstring)."""
 
     def __init__(self, runner, k: int) -> None:
-        from paged_jax.executor.draft_loop import make_draft_loop
+        from paged_jax.executor.decode_loop import make_decode_loop
         from paged_jax.executor.model_runner import make_step, on_param_leaves
 
         self.runner, self.k = runner, k
-        # Drafts after the first (greedy and sampled): k one-token steps in one jitted call (executor/draft_loop.py).
-        self.loop = make_draft_loop(on_param_leaves(make_step(runner.config, runner.attn), runner.param_tree),
+        # Drafts after the first (greedy and sampled): k one-token steps in one jitted call (executor/decode_loop.py).
+        self.loop = make_decode_loop(on_param_leaves(make_step(runner.config, runner.attn), runner.param_tree),
                                     runner.block_size, k + 1, runner.config.vocab_size)
         self.compiled_loops: dict = {}  # _loop_key -> the loop compiled by warm_up
         self.unseeded = np.random.default_rng(runner.seed)  # unseeded requests' draws
@@ -70,7 +70,7 @@ class DraftModelProposer:
         import jax
 
         from paged_jax.executor.batch import Batch, warmup_shapes
-        from paged_jax.executor.draft_loop import loop_draws
+        from paged_jax.executor.decode_loop import loop_draws
         from paged_jax.seeds import seed_for_sample
         from paged_jax.sampling_tensors import is_greedy
 
@@ -148,7 +148,7 @@ class DraftModelProposer:
         ``first``: each row's first draft and its q (None: greedy), from the draft's run of ``out``;
         None: ``out`` is a decode step (``_decode_only``) that the loop runs itself, its every row's
         pending token first (a row without drafts only writes that token's K/V)."""
-        from paged_jax.executor.draft_loop import loop_batch
+        from paged_jax.executor.decode_loop import loop_batch
 
         counts = {}
         for i, most in limits.items():
@@ -174,7 +174,7 @@ class DraftModelProposer:
         draws = self._draws([out.scheduled[i] for i in run], from_loop, drawing, batch.block_tables.shape[0])
         r = self.runner
         loop = self.compiled_loops.get(_loop_key(batch, draws), self.loop)
-        out_tokens, qs, r.kv_caches = loop(r.param_leaves, r.kv_caches, batch, lim, draws)
+        out_tokens, _, qs, r.kv_caches = loop(r.param_leaves, r.kv_caches, batch, lim, draws)
         out_tokens = np.asarray(out_tokens)
         qs = None if qs is None else np.asarray(qs)
         for b, (i, seq, m, d) in enumerate(zip(run, seqs, n, from_loop)):
@@ -189,10 +189,10 @@ class DraftModelProposer:
         return {i: m for i, m in counts.items() if m}
 
     def _draws(self, rows: list, from_loop: list[int], drawing: list[int], num_rows: int):
-        """The loop's :class:`~paged_jax.executor.draft_loop.LoopDraws` for batch rows ``rows``, of which
+        """The loop's :class:`~paged_jax.executor.decode_loop.LoopDraws` for batch rows ``rows``, of which
         ``drawing`` sample their ``from_loop`` drafts (the others take the argmax); None when none samples.
         Each draw's uniform is the one :meth:`_next` would take at its position (``position_rng``)."""
-        from paged_jax.executor.draft_loop import loop_draws
+        from paged_jax.executor.decode_loop import loop_draws
 
         if not drawing:
             return None

@@ -46,7 +46,7 @@ def is_sampled(row: "ScheduledSeq") -> bool:
 
 
 def row_seed(row: "ScheduledSeq") -> Optional[int]:
-    """The seed of a decoding row's one sample (the engine's, ``LLMEngine._row_sampling``)."""
+    """The seed of a decoding row's one sample (the engine's, ``paged_jax.row_sampling.row_sampling``)."""
     p = row.group.sampling_params
     return None if p.seed is None else seed_for_sample(p.seed, row.seq.sample_index)
 

@@ -1,14 +1,16 @@
-"""A draft model's drafts in one jitted call: ``k`` one-token steps in a ``lax.fori_loop``.
+"""Several decode steps of a model in one jitted call: ``k`` one-token steps in a ``lax.fori_loop``.
 
-Drafting one token at a time through ``ModelRunner.execute`` costs a dispatch, a batch built in numpy
-and a wait per draft; on a small draft model that overhead is most of a draft's cost (README,
-Speculative decoding). Here the decode batch of the first drafts is built once, with block tables
+Two users: a draft model's drafts (``paged_jax.spec_decode.draft_model``) and the target model's own
+multi-step decoding (``paged_jax.multi_step``). Decoding one token at a time through
+``ModelRunner.execute`` costs a dispatch, a batch built in numpy, a wait and the engine's own step per
+token; on a small model that overhead is most of a token's cost (README, Speculative decoding;
+Multi-step decoding). Here the decode batch of the first drafts is built once, with block tables
 already covering every draft's slot, and the loop feeds each step's draft to the next: position,
 slot and context length advance by one a step, and a row past its own number of drafts writes its
 K/V to the null block (its tokens are ignored).
 
-A greedy row's draft is the step's argmax. A sampled row's (:class:`LoopDraws`) is drawn on the device
-from ``q``, the step's distribution after the request's processing (the sampler's own
+A greedy row's token is the step's argmax (with its logprob). A sampled row's (:class:`LoopDraws`) is
+drawn on the device from ``q``, the step's distribution after the request's processing (the sampler's own
 :func:`~paged_jax.sampler.processed_probs`: penalties over the output so far and the drafts before,
 ``min_tokens``' banned ids, temperature, top-k, top-p, min-p), by the sampler's inverse CDF at a
 uniform drawn beforehand on the host (``paged_jax.spec_decode.sampled.position_rng``: the uniform a
@@ -52,21 +54,22 @@ jax.tree_util.register_dataclass(LoopDraws, data_fields=[f.name for f in datacla
                                  meta_fields=[])
 
 
-def make_draft_loop(step, block_size: int, num_steps: int, vocab_size: int):
-    """``loop(params, kv_caches, batch, limits, draws=None) -> (tokens int32[num_steps, S], q, kv_caches)``
+def make_decode_loop(step, block_size: int, num_steps: int, vocab_size: int):
+    """``loop(params, kv_caches, batch, limits, draws=None) -> (tokens int32[num_steps, S], logprobs, q, kv_caches)``
     jitted, for ``step`` the runner's step function (:func:`paged_jax.executor.model_runner.make_step`;
     the draft model's takes its runner's ``param_leaves`` as ``params``, ``on_param_leaves``):
     step j runs row s's token at ``batch.positions[s] + j`` (its first token from ``batch.input_ids``,
     then the draft of the step before) while ``j < limits[s]``. ``draws`` (:class:`LoopDraws`): the
-    sampled rows' draws; ``q`` float32[num_steps, S, V] the distributions they were drawn from (None
-    without ``draws``)."""
+    sampled rows' draws; ``logprobs`` float32[num_steps, S] each argmax's logprob (a drawn token's: its
+    argmax's); ``q`` float32[num_steps, S, V] the distributions they were drawn from (None without
+    ``draws``)."""
 
     def loop(params, kv_caches, batch: "Batch", limits, draws: Optional[LoopDraws] = None):
         live_rows = batch.query_lens > 0
         S = batch.block_tables.shape[0]
 
         def body(j, carry):
-            kv, tokens, out, history, qs = carry
+            kv, tokens, out, lps, history, qs = carry
             pos = batch.positions + j
             block = jnp.take_along_axis(batch.block_tables, (pos // block_size)[:, None], axis=1)[:, 0]
             slot = jnp.where(j < limits, block * block_size + pos % block_size, NULL_BLOCK * block_size)
@@ -74,19 +77,24 @@ def make_draft_loop(step, block_size: int, num_steps: int, vocab_size: int):
                                     context_lens=jnp.where(live_rows, pos + 1, 0))
             step_out, kv = step(params, kv, b, False)
             # The step leaves greedy ids out past GREEDY_IN_STEP_MAX_LOGITS (many rows, a large vocabulary).
-            ids = step_out.greedy_ids if step_out.greedy_ids is not None else greedy_tokens(step_out.logits)[0]
+            if step_out.greedy_ids is not None:
+                ids, lp = step_out.greedy_ids, step_out.greedy_logprobs
+            else:
+                ids, lp = greedy_tokens(step_out.logits)
             if draws is not None:
                 ids, q, history = _draw(step_out.logits, draws, j, history, ids)
                 qs = qs.at[j].set(q)
-            return kv, ids, out.at[j].set(ids), history, qs
+            return kv, ids, out.at[j].set(ids), lps.at[j].set(lp), history, qs
 
         out = jnp.zeros((num_steps, S), jnp.int32)
+        lps = jnp.zeros((num_steps, S), jnp.float32)
         history = qs = None
         if draws is not None:
             history = draws.tensors.output_token_ids
             qs = jnp.zeros((num_steps, S, vocab_size), jnp.float32)
-        kv_caches, _, out, _, qs = lax.fori_loop(0, num_steps, body, (kv_caches, batch.input_ids, out, history, qs))
-        return out, qs, kv_caches
+        kv_caches, _, out, lps, _, qs = lax.fori_loop(0, num_steps, body,
+                                                      (kv_caches, batch.input_ids, out, lps, history, qs))
+        return out, lps, qs, kv_caches
 
     return jax.jit(loop, donate_argnums=(1,))
 
@@ -145,3 +153,42 @@ def loop_batch(tokens: list[int], positions: list[int], tables: list[list[int]],
     padded = np.zeros(S, np.int32)
     padded[:len(limits)] = limits
     return dataclasses.replace(batch, block_tables=block_tables), padded
+
+
+class DecodeLoops:
+    """A runner's own decode loops (multi-step decoding, ``paged_jax.multi_step``): ``num_steps``
+    one-token steps of its model, compiled once per batch shape (by :meth:`warm_up` or on first use)."""
+
+    def __init__(self, step, block_size: int, vocab_size: int) -> None:
+        self.step, self.block_size, self.vocab_size = step, block_size, vocab_size
+        self._loops: dict[int, Any] = {}  # num_steps -> the jitted loop
+        self.compiled: dict[tuple, Any] = {}  # (num_steps, batch shape) -> the compiled loop
+
+    def _compiled(self, num_steps: int, params, kv_caches, batch, limits):
+        key = (num_steps, batch.shape_key)
+        if key not in self.compiled:
+            if num_steps not in self._loops:
+                self._loops[num_steps] = make_decode_loop(self.step, self.block_size, num_steps, self.vocab_size)
+            self.compiled[key] = self._loops[num_steps].lower(params, kv_caches, batch, limits).compile()
+        return self.compiled[key]
+
+    def warm_up(self, num_steps: int, params, kv_caches, max_rows: int, max_model_len: int) -> None:
+        """Compile the loop for every decode step shape of up to ``max_rows`` rows."""
+        import jax
+
+        from paged_jax.executor.batch import Batch, warmup_shapes
+
+        for key in warmup_shapes(max_rows, 1, max_model_len, self.block_size):
+            if not key[3]:  # decode shapes: no prefill tiles
+                limits = jax.ShapeDtypeStruct((key[1],), np.int32)
+                self._compiled(num_steps, params, kv_caches, Batch.abstract(key), limits)
+
+    def run(self, num_steps: int, params, kv_caches, tokens: list[int], positions: list[int],
+            tables: list[list[int]], limits: list[int]):
+        """Rows ``s``: ``tokens[s]`` at ``positions[s]``, then its argmax, for ``num_steps`` steps, the first
+        ``limits[s]`` kept (``tables[s]`` covers their slots). Returns (ids int32[num_steps, rows], their
+        logprobs, kv_caches), the ids and logprobs in numpy."""
+        batch, padded = loop_batch(tokens, positions, tables, limits, self.block_size)
+        loop = self._compiled(num_steps, params, kv_caches, batch, padded)
+        ids, logprobs, _, kv_caches = loop(params, kv_caches, batch, padded)
+        return np.asarray(ids), np.asarray(logprobs), kv_caches

@@ -1,0 +1,175 @@
+"""Multi-step decoding (num_scheduler_steps): greedy outputs equal transformers' and one-step decoding's,
+under preemption, stops, prefix caching and mixed batches, and no block is lost."""
+
+from __future__ import annotations
+
+import pytest
+
+from paged_jax import LLM, EngineArgs, LLMEngine, SamplingParams
+from tests.test_engine import MAX_TOKENS, assert_all_free, hf_greedy, make_prompts, run_engine
+
+
+def multi_stats(llm):
+    return llm.llm_engine.get_stats()["multi_step"]
+
+
+def test_multi_step_greedy_matches_hf(hf_model_dir):
+    path = hf_model_dir("llama_gqa")
+    prompts = make_prompts(512)
+    # 24 tokens: the first from the prompt's step, then 23 = 5 x 4 + 3 (the last loop keeps 3 of its 4 steps)
+    llm, got = run_engine(path, prompts, num_kv_blocks=256, num_scheduler_steps=4)
+    want = hf_greedy(path, prompts)
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g == w, f"prompt {i}: {g} != {w}"
+    stats = multi_stats(llm)
+    assert stats["num_multi_steps"] >= 5 and stats["num_multi_step_tokens"] > 4 * stats["num_multi_steps"], stats
+    assert_all_free(llm)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_multi_step_under_preemption_matches_hf(hf_model_dir, mode):
+    path = hf_model_dir("llama_gqa")
+    prompts = make_prompts(512, n=12)
+    # 12 sequences of up to 83 tokens in 24 blocks of 8: preempted while others decode several steps at a time
+    llm, got = run_engine(path, prompts, num_kv_blocks=24, block_size=8, preemption_mode=mode, max_num_seqs=6,
+                          num_scheduler_steps=8)
+    assert got == hf_greedy(path, prompts)
+    stats = llm.llm_engine.get_stats()
+    assert stats["num_preemptions"][mode] > 0, stats
+    assert stats["multi_step"]["num_multi_steps"] > 0, stats
+    assert_all_free(llm)
+
+
+def test_stops_inside_a_loop_drop_the_tokens_after_them(hf_model_dir):
+    """Stop ids, max_tokens and logprobs=0 as one-step decoding gives them: a stop in the middle of a loop's
+    tokens ends the output there, and the blocks of the dropped tokens are freed."""
+    path = hf_model_dir("llama_gqa")
+    prompts = make_prompts(512, n=8)
+    full = hf_greedy(path, prompts)
+    # Each prompt stops at its own 7th-13th token (a token that does not occur before it in its output).
+    params = []
+    for i, out in enumerate(full):
+        at = next(j for j in range(7 + i % 7, len(out)) if out[j] not in out[:j])
+        params.append(SamplingParams(temperature=0, max_tokens=MAX_TOKENS - i, stop_token_ids=[out[at]], logprobs=0))
+    runs = {}
+    for k in (1, 5):
+        llm = LLM(model=str(path), num_kv_blocks=128, block_size=4, num_scheduler_steps=k)
+        runs[k] = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+        assert_all_free(llm)
+        if k > 1:
+            assert multi_stats(llm)["num_multi_steps"] > 0
+    for one, multi, out in zip(runs[1], runs[5], full):
+        a, b = one.outputs[0], multi.outputs[0]
+        assert b.token_ids == a.token_ids and b.finish_reason == a.finish_reason == "stop"
+        assert b.token_ids == out[:len(b.token_ids)]
+        assert [list(e) for e in b.logprobs] == [[t] for t in b.token_ids]
+        assert b.cumulative_logprob == pytest.approx(a.cumulative_logprob, rel=1e-5, abs=1e-5)
+
+
+def test_a_request_arriving_waits_one_engine_step(hf_model_dir):
+    path = hf_model_dir("llama_gqa")
+    engine = LLMEngine(EngineArgs(model=str(path), num_kv_blocks=64, num_scheduler_steps=8))
+    greedy = SamplingParams(temperature=0, max_tokens=40)
+    engine.add_request("a", None, greedy, prompt_token_ids=[5, 6, 7, 8])
+    engine.step()  # a's prompt
+    out = engine.step()  # a decodes 8 tokens in one step
+    assert len(out[0].outputs[0].token_ids) == 9
+    engine.add_request("b", None, greedy, prompt_token_ids=[9, 10, 11])
+    outs = {o.request_id: o for o in engine.step()}  # b's prompt runs at once, a's one token beside it
+    assert len(outs["b"].outputs[0].token_ids) == 1 and len(outs["a"].outputs[0].token_ids) == 10
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert engine.get_stats()["num_free_blocks"] == engine.get_stats()["num_total_blocks"]
+
+
+def test_a_sampled_row_runs_the_step_one_token_at_a_time(hf_model_dir):
+    """A batch with a sampled request decodes one step at a time, its draws those of one-step decoding."""
+    path = hf_model_dir("llama_gqa")
+    prompts = make_prompts(512, n=4)
+    params = [SamplingParams(temperature=0, max_tokens=12), SamplingParams(temperature=0.8, seed=3, max_tokens=6),
+              SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3),
+              SamplingParams(temperature=0, max_tokens=12)]
+    runs = {}
+    for k in (1, 4):
+        llm = LLM(model=str(path), num_kv_blocks=128, num_scheduler_steps=k)
+        runs[k] = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
+                                                                use_tqdm=False)]
+    assert runs[4] == runs[1]
+
+
+def test_prefix_caching_with_multi_step(hf_model_dir):
+    path = hf_model_dir("llama_gqa")
+    shared = list(range(3, 40))
+    prompts = [shared + p for p in make_prompts(512, n=6, hi=20)]
+    llm = LLM(model=str(path), num_kv_blocks=128, block_size=8, enable_prefix_caching=True, num_scheduler_steps=4)
+    p = SamplingParams(temperature=0, max_tokens=MAX_TOKENS)
+    first = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=p, use_tqdm=False)]
+    # Again: each prompt's full blocks come from the cache, so its first row starts past them
+    runner, starts = llm.llm_engine.runner, {}
+    execute = runner.execute
+
+    def recording(out, *a):
+        for r in out.scheduled:
+            starts.setdefault(r.seq.seq_id, r.start_pos)
+        return execute(out, *a)
+
+    runner.execute = recording
+    again = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=p, use_tqdm=False)]
+    assert first == again == hf_greedy(path, prompts)
+    assert len(starts) == len(prompts) and all(s >= 32 for s in starts.values()), starts
+    llm.llm_engine.block_manager.check_invariants()
+
+
+def test_max_model_len_ends_a_sequence_inside_a_loop(hf_model_dir):
+    path = hf_model_dir("llama_gqa")
+    prompts = make_prompts(512, n=4, lo=20, hi=30)
+    outs = {}
+    for k in (1, 8):
+        llm = LLM(model=str(path), num_kv_blocks=64, max_model_len=45, num_scheduler_steps=k)
+        res = llm.generate(prompt_token_ids=prompts, sampling_params=SamplingParams(temperature=0, max_tokens=None),
+                           use_tqdm=False)
+        outs[k] = [(o.outputs[0].token_ids, o.outputs[0].finish_reason) for o in res]
+        assert all(len(p) + len(t) == 45 and r == "length" for p, (t, r) in zip(prompts, outs[k]))
+        assert_all_free(llm)
+    assert outs[8] == outs[1]
+
+
+def test_warm_up_compiles_the_decode_loops(hf_model_dir):
+    path = hf_model_dir("llama_gqa")
+    llm = LLM(model=str(path), num_kv_blocks=64, max_num_seqs=4, max_model_len=64, num_scheduler_steps=4)
+    engine = llm.llm_engine
+    engine.warm_up(progress=False)
+    compiled = engine.runner.num_compilations
+    assert len(engine.runner.decode_loops.compiled) > 0
+    outs = llm.generate(prompt_token_ids=make_prompts(512, n=4, hi=30),
+                        sampling_params=SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+    assert multi_stats(llm)["num_multi_steps"] > 0 and all(len(o.outputs[0].token_ids) == 20 for o in outs)
+    assert engine.runner.num_compilations == compiled
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.0, "4", True])
+def test_bad_num_scheduler_steps(bad):
+    with pytest.raises(ValueError, match=f"num_scheduler_steps must be an integer >= 1.*got {bad!r}"):
+        EngineArgs(num_scheduler_steps=bad)
+
+
+def test_num_scheduler_steps_refuses_speculation_and_a_latency_target():
+    with pytest.raises(ValueError, match="num_scheduler_steps=4 is not supported with speculative decoding"):
+        EngineArgs(num_scheduler_steps=4, speculative_config={"method": "ngram", "num_speculative_tokens": 2})
+    with pytest.raises(ValueError, match="num_scheduler_steps=2 is not supported with a latency target"):
+        EngineArgs(num_scheduler_steps=2, target_itl_ms=50.0)
+
+
+def test_an_executor_without_decode_loops_is_refused():
+    from paged_jax.memory.block_manager import BlockManager
+    from paged_jax.scheduler import SchedulerConfig
+
+    class Fake:
+        timings, num_compilations = {}, 0
+
+        def execute(self, out, sampling=(), eos_token_id=None):
+            raise AssertionError("not reached")
+
+    with pytest.raises(ValueError, match="num_scheduler_steps > 1 needs the model on one device"):
+        LLMEngine.from_components(SchedulerConfig(4, 64, 64), BlockManager(4, 16, 0), Fake(), 100,
+                                  num_scheduler_steps=2)
