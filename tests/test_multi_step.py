@@ -173,3 +173,13 @@ def test_an_executor_without_decode_loops_is_refused():
     with pytest.raises(ValueError, match="num_scheduler_steps > 1 needs the model on one device"):
         LLMEngine.from_components(SchedulerConfig(4, 64, 64), BlockManager(4, 16, 0), Fake(), 100,
                                   num_scheduler_steps=2)
+
+
+def test_cli_passes_num_scheduler_steps():
+    from paged_jax.cli import _llm, build_parser
+
+    assert build_parser().parse_args(["generate"]).num_scheduler_steps == 1
+    llm = _llm(build_parser().parse_args(["generate", "--num-scheduler-steps", "4", "--num-kv-blocks", "32"]))
+    assert llm.llm_engine.multi_step.num_steps == 4
+    out = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 9 and multi_stats(llm)["num_multi_steps"] == 2
