@@ -183,3 +183,19 @@ def test_cli_passes_num_scheduler_steps():
     assert llm.llm_engine.multi_step.num_steps == 4
     out = llm.generate(["def f(x):"], SamplingParams(temperature=0, max_tokens=9, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 9 and multi_stats(llm)["num_multi_steps"] == 2
+
+
+def test_multi_step_counters_in_metrics(hf_model_dir):
+    from paged_jax.server.metrics import ServerMetrics
+
+    path = hf_model_dir("llama_gqa")
+    llm, got = run_engine(path, make_prompts(512, n=3), max_tokens=10, num_kv_blocks=64, num_scheduler_steps=4)
+    # One prompt step, then 9 tokens a row: loops of 4, 4 and 1 (the last one token: a plain step)
+    assert multi_stats(llm) == {"num_scheduler_steps": 4, "num_multi_steps": 2, "num_multi_step_tokens": 24}
+    metrics = ServerMetrics()
+    metrics.stats_source = llm.llm_engine.get_stats
+    text = metrics.render()[0].decode()
+    assert "paged_jax_multi_step_engine_steps_total 2.0" in text and "paged_jax_multi_step_tokens_total 24.0" in text
+    plain, _ = run_engine(path, make_prompts(512, n=1), max_tokens=3, num_kv_blocks=64)
+    metrics.stats_source = plain.llm_engine.get_stats
+    assert "multi_step" not in metrics.render()[0].decode()

@@ -51,6 +51,12 @@ class _EngineStatsCollector:
         yield CounterMetricFamily(PREFIX + "engine_steps", "Engine iterations.", value=s["num_steps"])
         yield from _step_cost_metrics(s)
         yield from _spec_decode_metrics(s)
+        ms = s.get("multi_step")
+        if ms:  # num_scheduler_steps > 1
+            yield CounterMetricFamily(PREFIX + "multi_step_engine_steps", "Engine steps that ran several decode "
+                                      "steps in one call (num_scheduler_steps).", value=ms["num_multi_steps"])
+            yield CounterMetricFamily(PREFIX + "multi_step_tokens", "Tokens those steps decoded, before stops "
+                                      "dropped any.", value=ms["num_multi_step_tokens"])
 
 
 def _spec_decode_metrics(s: dict):
