@@ -18,11 +18,13 @@ Each row decodes ``n = min(k, tokens before max_tokens, room before max_model_le
 slots for the ``n - 1`` tokens after the pending one are appended before the call (placeholder
 tokens in its sequence, as speculative decoding's drafts: copy-on-write as usual, fewer when the free
 blocks run out). After the call (:meth:`MultiStepDecoder.apply`) the placeholders leave, the tokens
-are appended one at a time with the engine's stop checks, and a token past a stop is dropped with
-its slot (``BlockManager.rollback``).
+are appended one at a time with the engine's stop checks; tokens past a stop are dropped, and the
+stopped sequence's blocks (their slots too) are freed with it.
 
-Why the outputs equal one-step decoding's: a greedy token is the model's argmax given the tokens
-before it, and the loop runs the same step function on exactly those tokens at the same positions.
+Why the outputs are one-step decoding's: a greedy token is the model's argmax given the tokens before
+it, and the loop runs the same step function on exactly those tokens at the same positions. (Its
+block tables may be wider than a one-step batch's, so the attention may sum over another padded
+length: a near-tie between two logits can then go either way, as with another batch size.)
 """
 
 from __future__ import annotations
@@ -92,6 +94,8 @@ class MultiStepDecoder:
             return None
         for i, row in enumerate(out.scheduled):
             limits[i] = 1 + self._grow(row, limits[i] - 1, out)
+        if max(limits) == 1:  # no free block for a second token: one step as usual
+            return None
         self.num_multi_steps += 1
         self.num_tokens += sum(limits)
         return limits
@@ -116,7 +120,8 @@ class MultiStepDecoder:
     def apply(self, seq: "Sequence", samples: list["Sample"], append: Callable[["Sample"], None]) -> None:
         """A multi-step row after the step (``seq.num_computed_tokens`` counting its pending token): the
         placeholders leave, ``append`` (the engine's: the token, detokenization, the stop checks) takes
-        each sample until the sequence finishes, and the table keeps only the K/V of its tokens."""
+        each sample until the sequence finishes. A row that keeps fewer than its samples has finished (a
+        stop, or a failure that aborted it): the engine frees its blocks whole, dropped slots included."""
         extra = len(samples) - 1
         if extra:
             del seq.output_token_ids[len(seq.output_token_ids) - extra:]
@@ -125,9 +130,7 @@ class MultiStepDecoder:
             append(sample)
             if seq.is_finished():
                 break
-        seq.num_computed_tokens = min(computed, seq.get_len() - 1)
-        if self.block_manager.has_seq(seq):
-            self.block_manager.rollback(seq, seq.num_computed_tokens)
+        seq.num_computed_tokens = min(computed, seq.get_len() - 1)  # never past its own tokens
 
     def get_stats(self) -> dict:
         return {"num_scheduler_steps": self.num_steps, "num_multi_steps": self.num_multi_steps,

@@ -42,7 +42,7 @@ def test_multi_step_under_preemption_matches_hf(hf_model_dir, mode):
 
 def test_stops_inside_a_loop_drop_the_tokens_after_them(hf_model_dir):
     """Stop ids, max_tokens and logprobs=0 as one-step decoding gives them: a stop in the middle of a loop's
-    tokens ends the output there, and the blocks of the dropped tokens are freed."""
+    tokens ends the output there, and every block is freed."""
     path = hf_model_dir("llama_gqa")
     prompts = make_prompts(512, n=8)
     full = hf_greedy(path, prompts)
@@ -199,3 +199,58 @@ def test_multi_step_counters_in_metrics(hf_model_dir):
     plain, _ = run_engine(path, make_prompts(512, n=1), max_tokens=3, num_kv_blocks=64)
     metrics.stats_source = plain.llm_engine.get_stats
     assert "multi_step" not in metrics.render()[0].decode()
+
+
+def test_a_prompt_continuing_a_stopped_output_reuses_its_blocks(hf_model_dir):
+    """With prefix caching, the blocks a loop filled (before a stop inside it) stay in the cache: a later
+    prompt that continues the output reuses them and still gets transformers' greedy tokens."""
+    path = hf_model_dir("llama_gqa")
+    prompt = make_prompts(512, n=1, lo=10, hi=11)[0]
+    full = hf_greedy(path, [prompt])[0]
+    stop = next(j for j in range(9, len(full)) if full[j] not in full[:j])  # the 10th+ token, mid-loop
+    llm = LLM(model=str(path), num_kv_blocks=64, block_size=4, enable_prefix_caching=True, num_scheduler_steps=8)
+    first = llm.generate(prompt_token_ids=[prompt], use_tqdm=False, sampling_params=SamplingParams(
+        temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[full[stop]]))[0].outputs[0]
+    assert first.token_ids == full[:stop + 1] and multi_stats(llm)["num_multi_steps"] > 0
+    # The dropped tokens' K/V sit in the last blocks; the next prompt differs from them right after the stop.
+    follow = prompt + full[:stop + 1] + [(full[stop + 1] + 1) % 509 + 3, 7, 11]
+    runner, starts = llm.llm_engine.runner, []
+    execute = runner.execute
+
+    def recording(out, *a):
+        starts.extend(r.start_pos for r in out.scheduled)
+        return execute(out, *a)
+
+    runner.execute = recording
+    got = llm.generate(prompt_token_ids=[follow], use_tqdm=False,
+                       sampling_params=SamplingParams(temperature=0, max_tokens=12))[0].outputs[0].token_ids
+    assert starts[0] >= 4 * ((len(prompt) + stop) // 4), (starts[0], len(prompt) + stop)  # the cached blocks
+    assert got == hf_greedy(path, [follow], max_tokens=12)[0]
+    llm.llm_engine.block_manager.check_invariants()
+
+
+def test_a_request_failing_inside_a_loop_ends_alone(hf_model_dir, monkeypatch):
+    """Per-request fault isolation inside a loop: detokenizing one request's 3rd token of a loop raises;
+    that request ends with "abort", the other keeps one-step decoding's tokens, no block is lost."""
+    path = hf_model_dir("llama_gqa")
+    prompts = make_prompts(512, n=2, lo=5, hi=9)
+    greedy = SamplingParams(temperature=0, max_tokens=20)
+    failing = SamplingParams(temperature=0, max_tokens=20)
+    llm, alone = run_engine(path, prompts, max_tokens=20, num_kv_blocks=64)
+    llm = LLM(model=str(path), num_kv_blocks=64, block_size=4, num_scheduler_steps=4)
+    engine = llm.llm_engine
+    real, calls = engine._detokenize, {"n": 0}
+
+    def detokenize(seq, params):
+        if params is failing:
+            calls["n"] += 1
+            if calls["n"] == 7:  # the 3rd token of the second loop (the prompt's step gave the 1st)
+                raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
+        return real(seq, params)
+
+    monkeypatch.setattr(engine, "_detokenize", detokenize)
+    out = llm.generate(prompt_token_ids=prompts, sampling_params=[greedy, failing], use_tqdm=False)
+    assert out[1].outputs[0].finish_reason == "abort" and "injected" in out[1].finish_message
+    assert out[1].outputs[0].token_ids == alone[1][:7]  # up to the token whose processing failed, none after it
+    assert out[0].outputs[0].token_ids == alone[0] and multi_stats(llm)["num_multi_steps"] >= 4
+    assert_all_free(llm)

@@ -59,7 +59,8 @@ def make_decode_loop(step, block_size: int, num_steps: int, vocab_size: int):
     jitted, for ``step`` the runner's step function (:func:`paged_jax.executor.model_runner.make_step`;
     the draft model's takes its runner's ``param_leaves`` as ``params``, ``on_param_leaves``):
     step j runs row s's token at ``batch.positions[s] + j`` (its first token from ``batch.input_ids``,
-    then the draft of the step before) while ``j < limits[s]``. ``draws`` (:class:`LoopDraws`): the
+    then the draft of the step before) while ``j < limits[s]``; the loop stops after ``max(limits)``
+    steps (the outputs of later steps are zeros). ``draws`` (:class:`LoopDraws`): the
     sampled rows' draws; ``logprobs`` float32[num_steps, S] each argmax's logprob (a drawn token's: its
     argmax's); ``q`` float32[num_steps, S, V] the distributions they were drawn from (None without
     ``draws``)."""
@@ -92,8 +93,9 @@ def make_decode_loop(step, block_size: int, num_steps: int, vocab_size: int):
         if draws is not None:
             history = draws.tensors.output_token_ids
             qs = jnp.zeros((num_steps, S, vocab_size), jnp.float32)
-        kv_caches, _, out, lps, _, qs = lax.fori_loop(0, num_steps, body,
-                                                      (kv_caches, batch.input_ids, out, lps, history, qs))
+        # As many steps as the longest row keeps (rows past their limit would only write the null block).
+        steps = jnp.minimum(num_steps, jnp.max(limits))
+        kv_caches, _, out, lps, _, qs = lax.fori_loop(0, steps, body, (kv_caches, batch.input_ids, out, lps, history, qs))
         return out, lps, qs, kv_caches
 
     return jax.jit(loop, donate_argnums=(1,))
