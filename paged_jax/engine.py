@@ -95,8 +95,8 @@ class LLMEngine:
         if draft_or_cost is not None and hasattr(executor, "run_ahead"):
             executor.run_ahead = False
         self.multi_step = None  # num_scheduler_steps > 1: several decode steps per engine step (paged_jax.multi_step)
+        check_num_scheduler_steps(num_scheduler_steps, speculative_config, self.scheduler_config.target_itl_ms)
         if num_scheduler_steps > 1:
-            check_num_scheduler_steps(num_scheduler_steps, speculative_config, self.scheduler_config.target_itl_ms)
             check_multi_step(executor)
             self.multi_step = MultiStepDecoder(num_scheduler_steps, block_manager, scheduler_config.max_model_len,
                                                self.eos_token_id)

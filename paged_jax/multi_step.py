@@ -61,11 +61,12 @@ def check_multi_step(executor) -> None:
 
 
 class MultiStepDecoder:
-    """Plans the multi-step engine steps and applies their tokens (see the module docstring)."""
+    """Plans the multi-step engine steps and applies their tokens (see the module docstring). ``num_steps``
+    (> 1) is checked by :func:`check_num_scheduler_steps` where the engine takes it."""
 
     def __init__(self, num_steps: int, block_manager: "BlockManager", max_model_len: int,
                  eos_token_id: Optional[int]) -> None:
-        self.num_steps = check_num_scheduler_steps(num_steps)
+        self.num_steps = num_steps
         self.block_manager, self.max_model_len, self.eos_token_id = block_manager, max_model_len, eos_token_id
         self.num_multi_steps = 0  # engine steps that ran several decode steps
         self.num_tokens = 0  # tokens those steps decoded (before stops dropped any)
@@ -75,8 +76,7 @@ class MultiStepDecoder:
         sequences and tables; None when the step runs as usual (one token a row)."""
         from paged_jax.sampling_tensors import argmax_only  # here: the engine's modules import no JAX
 
-        if (self.num_steps == 1 or not out.scheduled
-                or out.blocks_to_swap_in or out.blocks_to_swap_out or out.blocks_to_copy):
+        if not out.scheduled or out.blocks_to_swap_in or out.blocks_to_swap_out or out.blocks_to_copy:
             return None
         limits = []
         for row, spec in zip(out.scheduled, sampling):
