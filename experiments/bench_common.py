@@ -151,8 +151,10 @@ def make_llm(a, model: str, max_model_len: int, max_num_seqs: Optional[int] = No
     if warm_up:
         t = time.perf_counter()
         n = llm.llm_engine.warm_up(sampling_params(a, 1))
+        cache = llm.llm_engine.runner.executable_cache
+        on_disk = f", {cache.loaded} loaded from the compile cache" if cache is not None else ""
         print(f"warm-up: {n} step shapes compiled in {time.perf_counter() - t:.1f} s "
-              f"({llm.llm_engine.get_stats()['num_compilations']} compilations in all)", file=sys.stderr)
+              f"({llm.llm_engine.get_stats()['num_compilations']} compilations in all{on_disk})", file=sys.stderr)
     return llm
 
 
@@ -266,6 +268,13 @@ def describe_requests(requests: list[Request]) -> str:
 
 def max_len(requests: list[Request]) -> int:
     return max(len(r.prompt_token_ids) + r.output_len for r in requests)
+
+
+def engine_max_len(a, requests: list[Request]) -> int:
+    """The engine's max_model_len for ``requests``: with a dataset, at least ``--max-total-len``. Every
+    script running the same workload must size it so: it bounds the KV pool, whose shape is part of
+    each compiled step's key, so another value compiles every step again instead of loading it."""
+    return max(max_len(requests), a.max_total_len if a.dataset else 0)
 
 
 # ---- side by side with an earlier revision -------------------------------------

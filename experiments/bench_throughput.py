@@ -23,8 +23,8 @@ import argparse
 import json
 import sys
 
-from bench_common import (add_request_args, describe_requests, format_summary, gpt2_124m_model, load_hf,
-                          make_llm, make_requests, max_len, run_hf, run_paged_jax, summarize)
+from bench_common import (add_request_args, describe_requests, engine_max_len, format_summary, gpt2_124m_model,
+                          load_hf, make_llm, make_requests, run_hf, run_paged_jax, summarize)
 
 from paged_jax.policy import FCFS, Orca  # after bench_common, which puts this checkout on the path
 
@@ -112,7 +112,7 @@ def main(argv=None):
         out = {}
         print(describe_requests(requests))
         for chunked in ("off", "default"):
-            llm = make_llm(a, model, max(max_len(requests), a.max_total_len if a.dataset else 0),
+            llm = make_llm(a, model, engine_max_len(a, requests),
                            warm_up=not a.no_warm_up, chunked=chunked)
             cfg = llm.llm_engine.scheduler_config
             for run in ("first", "second"):  # the second run compiles nothing (shapes warm-up missed included)
@@ -133,7 +133,7 @@ def main(argv=None):
         print(describe_requests(requests))
         print(format_summary(f"hf (batch {a.hf_max_batch_size or 1})", out))
     else:
-        llm = make_llm(a, model, max(max_len(requests), a.max_total_len if a.dataset else 0),
+        llm = make_llm(a, model, engine_max_len(a, requests),
                        warm_up=not a.no_warm_up)
         res = run_paged_jax(llm, a, requests)
         out = summarize(requests, res, a.n)

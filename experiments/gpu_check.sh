@@ -95,8 +95,9 @@ if [ "$GPU" = 1 ]; then
        --max-num-seqs 32 --attention-backend pallas --dtype bfloat16
   step hf-throughput 90 "$PY" experiments/bench_throughput.py --backend hf --hf-max-batch-size 32 --dataset sharegpt-like \
        --num-prompts 128 --max-total-len 256 --dtype bfloat16
-  # The throughput step's requests, so the same longest request and step shapes: its compiled programs
-  # come from the cache (with 64 prompts the longest differed and warm-up compiled again, 82 s).
+  # The throughput step's workload, so the same KV pool and step shapes: its warm-up loads that step's
+  # compiled programs from $PAGED_JAX_COMPILE_CACHE (until 2026-11-27 it sized the pool by its own
+  # longest request, compiled all 75 programs again and ran out of the check's time on the H200).
   step profile-step 120 "$PY" experiments/profile_gpu_step.py --num-prompts 128 --max-num-seqs 32 --max-total-len 256 \
        --dtype bfloat16 --attention-backend pallas
 else
@@ -117,7 +118,7 @@ else
        --hf-max-batch-size 4 --dataset sharegpt-like --num-prompts 4 --max-total-len 64 --dtype bfloat16
   skipped profile-step
   step profile-step-cpu 150 "$PY" experiments/profile_gpu_step.py --model paged_jax/models/data/default-model \
-       --num-prompts 8 --max-num-seqs 4 --max-total-len 64 --dtype float32 --top 8
+       --num-prompts 4 --max-num-seqs 4 --max-total-len 64 --dtype bfloat16 --top 8
 fi
 
 [ "$FAILED" = 0 ] && RESULT="all steps passed" || RESULT="FAILED: see the steps above"

@@ -35,7 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-from bench_common import gpt2_124m_model, make_llm, make_requests, max_len, profiler_events, run_paged_jax
+from bench_common import (engine_max_len, gpt2_124m_model, make_llm, make_requests, profiler_events,
+                          run_paged_jax)
 
 PHASES = ("schedule", "prepare", "cache_ops", "device", "sample", "process")
 
@@ -178,7 +179,7 @@ def main(argv=None) -> None:
     t = time.perf_counter()
     vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
     requests = make_requests(a, vocab)
-    llm = make_llm(a, model, max_len(requests))
+    llm = make_llm(a, model, engine_max_len(a, requests))
     print(f"loaded and warmed up in {time.perf_counter() - t:.1f} s; {len(requests)} requests, "
           f"{sum(len(r.prompt_token_ids) for r in requests)} prompt and {sum(r.output_len for r in requests)} "
           f"output tokens")

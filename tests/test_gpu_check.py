@@ -7,6 +7,7 @@ outside $OUT, and exits non-zero when a step fails."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -50,6 +51,10 @@ def test_gpu_check_runs_end_to_end_on_the_cpu(tmp_path):
     # profile_gpu_step.py: the greedy batches take the step's argmax, the sampled ones the sampler's call
     assert "the sampler's own call in 0.00 of a step's batches" in report
     assert "the sampler's own call in 1.00 of a step's batches" in report
+    # The profile step runs the throughput step's workload: its warm-up loads that step's compiled programs
+    # (on a GPU a fresh compile of them takes 90 s of the check's 9 minutes).
+    loaded = re.search(r"## profile-step-cpu .*?(\d+) loaded from the compile cache", report, re.S)
+    assert loaded and int(loaded.group(1)) > 0, report[report.find("## profile-step-cpu"):][:3000]
     assert report.rstrip().splitlines()[-1].startswith("**all steps passed**")
     assert "== engine-cpu" in (out / "gpu_check.log").read_text()  # the whole output, beside the report
     assert (tmp_path / "home").is_dir()
