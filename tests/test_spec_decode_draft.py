@@ -182,8 +182,7 @@ def test_warm_up_compiles_the_draft_models_steps(tiny_llama_dir, other_draft):
     llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=12), use_tqdm=False)
     assert engine.get_stats()["spec_decode"]["num_drafts"] > 0
     assert (engine.get_stats()["num_compilations"], draft.num_compilations) == compiled
-    loop = engine.spec_decoder.draft.loop
-    assert engine.spec_decoder.draft.compiled_loops and loop._cache_size() == 0  # the draft loop: warmed shapes only
+    assert engine.spec_decoder.draft.loops.compiled  # the draft loop: warmed shapes only (counted above)
 
 
 def _processed(logits: np.ndarray, p: SamplingParams, history: list[int]) -> np.ndarray:
@@ -216,7 +215,7 @@ def test_sampled_and_greedy_drafts_of_the_draft_loop_against_transformers(tiny_l
               max_num_batched_tokens=32, speculative_config={"model": str(other_draft), "num_speculative_tokens": k})
     proposer = llm.llm_engine.spec_decoder.draft
     records, calls = [], []
-    propose, loop = proposer.propose, proposer.loop
+    propose, compiled_loop = proposer.propose, proposer.loops.compiled_loop
 
     def recording_propose(out, limits, block_manager):
         before = {i: list(out.scheduled[i].seq.output_token_ids) for i in limits}
@@ -228,12 +227,12 @@ def test_sampled_and_greedy_drafts_of_the_draft_loop_against_transformers(tiny_l
                             proposer.probs.get(i), decode_only, limits[i]))
         return drafts
 
-    def recording_loop(params, kv, batch, limits, draws):
+    def recording_compiled_loop(num_steps, params, kv, batch, limits, draws):
         rows = int((np.asarray(batch.query_lens) > 0).sum())
         calls.append(None if draws is None else np.asarray(draws.sampled)[:rows].tolist())
-        return loop(params, kv, batch, limits, draws)
+        return compiled_loop(num_steps, params, kv, batch, limits, draws)
 
-    proposer.propose, proposer.loop = recording_propose, recording_loop
+    proposer.propose, proposer.loops.compiled_loop = recording_propose, recording_compiled_loop
     sampled = dict(temperature=0.9, top_k=50, top_p=0.9, ignore_eos=True)
     params = [SamplingParams(temperature=0, max_tokens=14, ignore_eos=True),
               SamplingParams(seed=7, max_tokens=14, presence_penalty=0.5, frequency_penalty=0.3, min_tokens=6,
@@ -285,9 +284,9 @@ def test_warm_up_compiles_the_sampled_draft_loops(tiny_llama_dir, other_draft):
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     engine.warm_up([greedy, sampled], progress=False)
     proposer = engine.spec_decoder.draft
-    warmed = dict(proposer.compiled_loops)
+    warmed = dict(proposer.loops.compiled)
     compiled = engine.get_stats()["num_compilations"], proposer.runner.num_compilations
     llm.generate(PROMPTS, [sampled, greedy, sampled], use_tqdm=False)
     assert engine.get_stats()["spec_decode"]["num_drafts"] > 0
-    assert proposer.loop._cache_size() == 0 and proposer.compiled_loops == warmed
+    assert proposer.loops.compiled == warmed
     assert (engine.get_stats()["num_compilations"], proposer.runner.num_compilations) == compiled

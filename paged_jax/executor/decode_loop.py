@@ -21,7 +21,7 @@ returns every step's ``q`` for the rejection sampler.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -158,32 +158,36 @@ def loop_batch(tokens: list[int], positions: list[int], tables: list[list[int]],
 
 
 class DecodeLoops:
-    """A runner's own decode loops (multi-step decoding, ``paged_jax.multi_step``): ``num_steps``
-    one-token steps of its model, compiled once per batch shape (by :meth:`warm_up` or on first use)."""
+    """A runner's decode loops: ``num_steps`` one-token steps of its model, compiled once per batch shape
+    and draws' structure (by :meth:`warm_up` or on first use). Its runner's multi-step decoding
+    (``paged_jax.multi_step``, greedy, :meth:`run`) and a draft model's drafts (``num_steps`` k + 1, greedy
+    and drawn, :meth:`compiled_loop`) take them."""
 
     def __init__(self, step, block_size: int, vocab_size: int) -> None:
         self.step, self.block_size, self.vocab_size = step, block_size, vocab_size
         self._loops: dict[int, Any] = {}  # num_steps -> the jitted loop
-        self.compiled: dict[tuple, Any] = {}  # (num_steps, batch shape) -> the compiled loop
+        self.compiled: dict[tuple, Any] = {}  # (num_steps, loop_key) -> the compiled loop
 
-    def _compiled(self, num_steps: int, params, kv_caches, batch, limits):
-        key = (num_steps, batch.shape_key)
+    def compiled_loop(self, num_steps: int, params, kv_caches, batch, limits, draws: Optional[LoopDraws] = None):
+        """The loop of ``num_steps`` steps compiled for these arguments (abstract or concrete)."""
+        key = (num_steps, loop_key(batch, draws))
         if key not in self.compiled:
             if num_steps not in self._loops:
                 self._loops[num_steps] = make_decode_loop(self.step, self.block_size, num_steps, self.vocab_size)
-            self.compiled[key] = self._loops[num_steps].lower(params, kv_caches, batch, limits).compile()
+            self.compiled[key] = self._loops[num_steps].lower(params, kv_caches, batch, limits, draws).compile()
         return self.compiled[key]
 
-    def warm_up(self, num_steps: int, params, kv_caches, max_rows: int, max_model_len: int) -> None:
-        """Compile the loop for every decode step shape of up to ``max_rows`` rows."""
-        import jax
-
+    def warm_up(self, num_steps: int, params, kv_caches, max_rows: int, max_model_len: int,
+                draws_for: Callable[[int], list] = lambda rows: [None]) -> None:
+        """Compile the loop for every decode step shape of up to ``max_rows`` rows, with each of
+        ``draws_for(rows)`` (default: greedy only)."""
         from paged_jax.executor.batch import Batch, warmup_shapes
 
         for key in warmup_shapes(max_rows, 1, max_model_len, self.block_size):
             if not key[3]:  # decode shapes: no prefill tiles
                 limits = jax.ShapeDtypeStruct((key[1],), np.int32)
-                self._compiled(num_steps, params, kv_caches, Batch.abstract(key), limits)
+                for draws in draws_for(key[1]):
+                    self.compiled_loop(num_steps, params, kv_caches, Batch.abstract(key), limits, draws)
 
     def run(self, num_steps: int, params, kv_caches, tokens: list[int], positions: list[int],
             tables: list[list[int]], limits: list[int]):
@@ -191,6 +195,15 @@ class DecodeLoops:
         ``limits[s]`` kept (``tables[s]`` covers their slots). Returns (ids int32[num_steps, rows], their
         logprobs, kv_caches), the ids and logprobs in numpy."""
         batch, padded = loop_batch(tokens, positions, tables, limits, self.block_size)
-        loop = self._compiled(num_steps, params, kv_caches, batch, padded)
-        ids, logprobs, _, kv_caches = loop(params, kv_caches, batch, padded)
+        loop = self.compiled_loop(num_steps, params, kv_caches, batch, padded)
+        ids, logprobs, _, kv_caches = loop(params, kv_caches, batch, padded, None)
         return np.asarray(ids), np.asarray(logprobs), kv_caches
+
+
+def loop_key(batch, draws: Optional[LoopDraws]) -> tuple:
+    """What a call of the loop compiles for: the batch's shape, and the draws' structure (the sampler's
+    static flags) and shapes."""
+    if draws is None:
+        return batch.shape_key, None
+    leaves, treedef = jax.tree.flatten(draws)
+    return batch.shape_key, treedef, tuple(x.shape for x in leaves)

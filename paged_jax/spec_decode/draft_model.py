@@ -52,14 +52,10 @@ class DraftModelProposer:
     """Proposes each speculating row's drafts with the draft model (see the module docstring)."""
 
     def __init__(self, runner, k: int) -> None:
-        from paged_jax.executor.decode_loop import make_decode_loop
-        from paged_jax.executor.model_runner import make_step, on_param_leaves
-
         self.runner, self.k = runner, k
-        # Drafts after the first (greedy and sampled): k one-token steps in one jitted call (executor/decode_loop.py).
-        self.loop = make_decode_loop(on_param_leaves(make_step(runner.config, runner.attn), runner.param_tree),
-                                    runner.block_size, k + 1, runner.config.vocab_size)
-        self.compiled_loops: dict = {}  # _loop_key -> the loop compiled by warm_up
+        # Drafts after the first (greedy and sampled): k + 1 one-token steps in one jitted call, the draft
+        # runner's own decode loops (executor/decode_loop.py).
+        self.loops = runner.decode_loops
         self.unseeded = np.random.default_rng(runner.seed)  # unseeded requests' draws
         self.probs: dict[int, np.ndarray] = {}  # the last propose's sampled rows: q of each draft, float32[drafts, V]
 
@@ -67,9 +63,6 @@ class DraftModelProposer:
         """Compile the draft loop for every decode step shape of up to ``max_rows`` rows: greedy, and
         drawing with each sampled one of ``sampling_params`` (one or a list, as the engine's warm-up
         takes them; their rows' processing is the loop's static part)."""
-        import jax
-
-        from paged_jax.executor.batch import Batch, warmup_shapes
         from paged_jax.executor.decode_loop import loop_draws
         from paged_jax.seeds import seed_for_sample
         from paged_jax.sampling_tensors import is_greedy
@@ -77,17 +70,13 @@ class DraftModelProposer:
         plist = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params]
         plist = [p for p in plist if p is not None and not is_greedy(p)]
         r = self.runner
-        for key in warmup_shapes(max_rows, 1, max_model_len, r.block_size):
-            if key[3]:
-                continue
-            batch, limits = Batch.abstract(key), jax.ShapeDtypeStruct((key[1],), np.int32)
-            draws = [None] + [loop_draws([(p, None if p.seed is None else seed_for_sample(p.seed, 0), [0], [0])] * key[1],
-                                         key[1], self.k + 1, r.config.vocab_size, np.zeros((self.k + 1, key[1])))
-                              for p in plist]
-            for d in draws:
-                loop_key = _loop_key(batch, d)
-                if loop_key not in self.compiled_loops:
-                    self.compiled_loops[loop_key] = self.loop.lower(r.param_leaves, r.kv_caches, batch, limits, d).compile()
+
+        def draws_for(rows: int) -> list:
+            return [None] + [loop_draws([(p, None if p.seed is None else seed_for_sample(p.seed, 0), [0], [0])] * rows,
+                                        rows, self.k + 1, r.config.vocab_size, np.zeros((self.k + 1, rows)))
+                             for p in plist]
+
+        self.loops.warm_up(self.k + 1, r.param_leaves, r.kv_caches, max_rows, max_model_len, draws_for)
 
     @classmethod
     def load(cls, path: str, target_runner, k: int) -> "DraftModelProposer":
@@ -173,7 +162,7 @@ class DraftModelProposer:
         drawing = [b for b, (i, d) in enumerate(zip(run, from_loop)) if d > 0 and is_sampled(out.scheduled[i])]
         draws = self._draws([out.scheduled[i] for i in run], from_loop, drawing, batch.block_tables.shape[0])
         r = self.runner
-        loop = self.compiled_loops.get(_loop_key(batch, draws), self.loop)
+        loop = self.loops.compiled_loop(self.k + 1, r.param_leaves, r.kv_caches, batch, lim, draws)
         out_tokens, _, qs, r.kv_caches = loop(r.param_leaves, r.kv_caches, batch, lim, draws)
         out_tokens = np.asarray(out_tokens)
         qs = None if qs is None else np.asarray(qs)
@@ -271,13 +260,3 @@ def _decode_only(out: "SchedulerOutput") -> bool:
     return (not (out.blocks_to_swap_in or out.blocks_to_swap_out or out.blocks_to_copy)
             and all(row.num_tokens == 1 and row.completes for row in out.scheduled))
 
-
-def _loop_key(batch, draws) -> tuple:
-    """What a call of the draft loop compiles for: the batch's shape, and the draws' structure (the
-    sampler's static flags) and shapes."""
-    if draws is None:
-        return batch.shape_key, None
-    import jax
-
-    leaves, treedef = jax.tree.flatten(draws)
-    return batch.shape_key, treedef, tuple(x.shape for x in leaves)
