@@ -2,7 +2,7 @@
 48 requests at once (llama-server with continuous batching), float32, 8-bit and 4-bit weights.
 
     python experiments/bench_llamacpp.py [--rounds 3] [--isa native|avx2] [--llama-threads 2] [--cache DIR]
-                                         [--batch-1-only] [--num-scheduler-steps 1 8]
+                                         [--batch-1-only] [--num-scheduler-steps 1 8] [--temperature 0]
 
 llama.cpp's tools are built once from the llama-cpp-python source distribution on PyPI
 (``pip download --no-binary``; CMake, ``-DGGML_NATIVE=ON``, only llama-bench, llama-server and
@@ -27,7 +27,9 @@ converted to GGUF f32 and q8_0 with llama.cpp's own ``convert_hf_to_gguf.py`` an
   (its second call: compiling left out).
 
 paged-jax runs once per ``--num-scheduler-steps`` value (default 1 and 8: one decode step per engine
-step, and multi-step decoding, ``paged_jax.multi_step``), each its own column.
+step, and multi-step decoding, ``paged_jax.multi_step``), each its own column. ``--temperature T`` > 0:
+paged-jax samples (unseeded, no top-k / top-p) and so do llama-server's requests (``top_k`` 0); llama-bench
+samples nothing, so the batch-1 table then sets paged-jax's sampled decode against llama.cpp's bare one.
 
 Each of ``--rounds`` rounds runs every format on both engines in turn; the best round of each is
 kept (and llama.cpp's best of ``--llama-threads``: on a machine shared with other work, its two
@@ -40,7 +42,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import subprocess
 import sys
 import tarfile
@@ -133,7 +134,8 @@ def post(url: str, body: dict, timeout: float = 600) -> dict:
         return json.loads(r.read())
 
 
-def llama_server(bin_dir: Path, gguf: Path, prompts: list, port: int, threads: int) -> tuple[float, list]:
+def llama_server(bin_dir: Path, gguf: Path, prompts: list, port: int, threads: int,
+                 temperature: float = 0.0) -> tuple[float, list]:
     """llama-server's output tokens/s for the requests all sent at once, and their tokens."""
     ctx = REQUESTS * (LENS[1] + OUT_LEN + 8)
     proc = subprocess.Popen([str(bin_dir / "llama-server"), "-m", str(gguf), "-np", str(REQUESTS), "-cb", "-c",
@@ -150,8 +152,9 @@ def llama_server(bin_dir: Path, gguf: Path, prompts: list, port: int, threads: i
                 if proc.poll() is not None:
                     sys.exit(f"llama-server exited: {proc.stderr.read()[-3000:]}")
                 time.sleep(0.2)
-        body = dict(n_predict=OUT_LEN, temperature=0, top_k=1, ignore_eos=True, cache_prompt=False,
-                    return_tokens=True)
+        sampling = dict(temperature=0, top_k=1) if temperature == 0 else dict(temperature=temperature, top_k=0, top_p=1.0,
+                                                                              min_p=0.0)
+        body = dict(n_predict=OUT_LEN, ignore_eos=True, cache_prompt=False, return_tokens=True, **sampling)
         post(url + "/completion", dict(body, prompt=prompts[0], n_predict=4))  # warm
         results: list = [None] * len(prompts)
 
@@ -172,13 +175,13 @@ def llama_server(bin_dir: Path, gguf: Path, prompts: list, port: int, threads: i
         proc.wait(timeout=30)
 
 
-def paged_jax_decode(llm, prompt: list) -> float:
+def paged_jax_decode(llm, prompt: list, temperature: float = 0.0) -> float:
     """Decode tokens/s at batch 1: a (1 + DECODE)-token call less a 1-token one (prefill left out)."""
     from paged_jax import SamplingParams
 
     def seconds(n):
         t0 = time.perf_counter()
-        llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=0, max_tokens=n,
+        llm.generate(prompt_token_ids=[prompt], sampling_params=SamplingParams(temperature=temperature, max_tokens=n,
                                                                                ignore_eos=True), use_tqdm=False)
         return time.perf_counter() - t0
 
@@ -186,10 +189,10 @@ def paged_jax_decode(llm, prompt: list) -> float:
     return DECODE / (full - first)
 
 
-def paged_jax_batch(llm, prompts: list) -> tuple[float, list]:
+def paged_jax_batch(llm, prompts: list, temperature: float = 0.0) -> tuple[float, list]:
     from paged_jax import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=OUT_LEN, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=OUT_LEN, ignore_eos=True)
     t0 = time.perf_counter()
     outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
     elapsed = time.perf_counter() - t0
@@ -218,7 +221,12 @@ def main(argv=None):
     ap.add_argument("--batch-1-only", action="store_true", help="only the batch-1 decode table (no 48 requests)")
     ap.add_argument("--num-scheduler-steps", type=int, nargs="+", default=[1, 8],
                     help="paged-jax's decode steps per engine step, a column each (default: 1 and 8)")
+    ap.add_argument("--temperature", type=float, default=0.0,
+                    help="> 0: paged-jax and llama-server sample (default 0: greedy)")
     a = ap.parse_args(argv)
+    if a.temperature < 0:
+        ap.error(f"--temperature must be >= 0, got {a.temperature}")
+    temp = a.temperature
     if a.isa == "avx2" and os.environ.get("PAGED_JAX_NATIVE_FLAGS") is None:  # hold paged-jax to AVX2 too: re-run
         env = dict(os.environ, PAGED_JAX_NATIVE_FLAGS="-mno-avx512f",
                    XLA_FLAGS=" ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_cpu_max_isa=AVX2"])))
@@ -244,20 +252,20 @@ def main(argv=None):
             for k in steps:
                 engines[name, k] = LLM(str(model), quantization=q, max_model_len=512, num_kv_blocks=blocks,
                                        max_num_seqs=REQUESTS, num_scheduler_steps=k)
-                paged_jax_decode(engines[name, k], prompt)  # compiles what the cells reach
+                paged_jax_decode(engines[name, k], prompt, temp)  # compiles what the cells reach
                 if not a.batch_1_only:
-                    paged_jax_batch(engines[name, k], prompts)
+                    paged_jax_batch(engines[name, k], prompts, temp)
         best: dict = {}
         tokens: dict = {}
         loads = [os.getloadavg()[0]]  # the machine's 1-minute load average, before and after each round
         for r in range(a.rounds):
             for name, (fmt, _) in FORMATS.items():
                 cells = {("llama.cpp", "decode"): lambda: llama_bench(bin_dir, ggufs[fmt], a.llama_threads),
-                         ("llama.cpp", "batch"): lambda: max((llama_server(bin_dir, ggufs[fmt], prompts, a.port, t)
+                         ("llama.cpp", "batch"): lambda: max((llama_server(bin_dir, ggufs[fmt], prompts, a.port, t, temp)
                                                               for t in a.llama_threads), key=lambda o: o[0])}
                 for k in steps:
-                    cells[f"paged-jax k={k}", "decode"] = lambda k=k: paged_jax_decode(engines[name, k], prompt)
-                    cells[f"paged-jax k={k}", "batch"] = lambda k=k: paged_jax_batch(engines[name, k], prompts)
+                    cells[f"paged-jax k={k}", "decode"] = lambda k=k: paged_jax_decode(engines[name, k], prompt, temp)
+                    cells[f"paged-jax k={k}", "batch"] = lambda k=k: paged_jax_batch(engines[name, k], prompts, temp)
                 if a.batch_1_only:
                     cells = {k: f for k, f in cells.items() if k[1] == "decode"}
                 for (engine, kind), f in cells.items():
@@ -276,7 +284,7 @@ def main(argv=None):
           f"native kernels {paths or 'not built'}"
           + (f", PAGED_JAX_NATIVE_FLAGS={os.environ.get('PAGED_JAX_NATIVE_FLAGS')}" if a.isa == "avx2" else ""))
     print(f"best of {a.rounds} alternating rounds; 1-minute load average {min(loads):.1f}-{max(loads):.1f} "
-          f"(before and after each round)\n")
+          f"(before and after each round)" + (f"; temperature {temp} (llama-bench: no sampling)" if temp else "") + "\n")
     t = "/".join(map(str, a.llama_threads))
     ours = "".join(f" paged-jax, num_scheduler_steps={k} | over it |" for k in steps)
     rule = "|---|---:|" + "---:|---:|" * len(steps)
@@ -293,7 +301,7 @@ def main(argv=None):
     for n, (fmt, q) in FORMATS.items():
         print(f"| {n} ({fmt} / quantization={q!r}) | {best['llama.cpp', 'batch', n]:.1f} |"
               + _ratios(best, "batch", n, steps))
-    for k in steps:
+    for k in steps if temp == 0 else ():  # sampled outputs differ by design
         same = sum(x == y for x, y in zip(tokens["llama.cpp", "float32"], tokens[f"paged-jax k={k}", "float32"]))
         print(f"\nfloat32, num_scheduler_steps={k}: {same} of {REQUESTS} requests' {OUT_LEN} greedy tokens the same "
               f"on both engines")

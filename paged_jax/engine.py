@@ -265,7 +265,7 @@ class LLMEngine:
         # Multi-step decoding: each row's tokens of several decode steps in one call (None: one step).
         multi = self.multi_step.plan(out, sampling) if self.multi_step is not None else None
         if multi is not None:
-            result = self.runner.execute_steps(out, sampling, multi, self.multi_step.num_steps)
+            result = self.runner.execute_steps(out, sampling, multi, self.multi_step.num_steps, self.eos_token_id)
         else:
             result = self.runner.execute(out, sampling, self.eos_token_id)
         if masks is not None:

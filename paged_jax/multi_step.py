@@ -1,16 +1,17 @@
-"""Multi-step decoding: several greedy decode steps per engine step, in one jitted call (plain Python, no JAX).
+"""Multi-step decoding: several decode steps per engine step, in one jitted call (plain Python, no JAX).
 
 At small batches a decode step's host work (scheduling, the batch built in numpy, the engine's output
 processing, detokenization and stop checks) costs about as much as the device's step. With
-``num_scheduler_steps = k > 1`` (vLLM's name for it) an engine step whose rows are all plain greedy
-decodes runs k one-token steps on the device in one call (``paged_jax.executor.decode_loop``), each
-step's argmax the next one's input, and the engine's host work is paid once for k tokens.
+``num_scheduler_steps = k > 1`` (vLLM's name for it) an engine step whose rows are all decodes runs k
+one-token steps on the device in one call (``paged_jax.executor.decode_loop``), each step's token the
+next one's input, and the engine's host work is paid once for k tokens.
 
 When it applies (:meth:`MultiStepDecoder.plan`): the scheduler gave the step decodes only (every row
 runs its one pending token and samples it; no prompt chunk, so nothing waiting could be admitted now),
-no cache operation is due, and every sample is the step's plain argmax (``argmax_only``: greedy, no
-penalties, no banned ids, no top logprobs, no grammar, not beam search). Otherwise the step runs as
-usual. A request that arrives meanwhile is scheduled by the next engine step, after the k tokens; one
+no cache operation is due, and every row asks for one token and at most its own logprob
+(``loop_decodable``): a greedy row the plain argmax (no penalties, no banned ids), a random row a draw
+(temperature, top-k, top-p, min-p, penalties, ``min_tokens``, seeds), neither with top logprobs, a
+grammar or beam search. Otherwise the step runs as usual. A request that arrives meanwhile is scheduled by the next engine step, after the k tokens; one
 that waits for a free sequence slot or blocks waits up to k - 1 tokens longer when a row stops inside
 a loop.
 
@@ -22,9 +23,13 @@ are appended one at a time with the engine's stop checks; tokens past a stop are
 stopped sequence's blocks (their slots too) are freed with it.
 
 Why the outputs are one-step decoding's: a greedy token is the model's argmax given the tokens before
-it, and the loop runs the same step function on exactly those tokens at the same positions. (Its
-block tables may be wider than a one-step batch's, so the attention may sum over another padded
-length: a near-tie between two logits can then go either way, as with another batch size.)
+it, and the loop runs the same step function on exactly those tokens at the same positions. A random
+row's token is drawn from the sampler's processed distribution (``processed_logprobs``, its penalties
+over the tokens before) by the sampler's inverse CDF: a seeded row at the sampler's own uniform (its
+key at the output's length), so the same token; an unseeded row at a uniform of the runner's own
+generator, so a draw from the same distribution. (The loop's block tables may be wider than a one-step
+batch's, so the attention may sum over another padded length: a near-tie between two logits, or a
+uniform at a token's edge of the CDF, can then go either way, as with another batch size.)
 """
 
 from __future__ import annotations
@@ -74,7 +79,7 @@ class MultiStepDecoder:
     def plan(self, out: "SchedulerOutput", sampling: Seq["RowSampling"]) -> Optional[list[int]]:
         """How many tokens each row of ``out`` decodes in this step, their slots appended to the rows'
         sequences and tables; None when the step runs as usual (one token a row)."""
-        from paged_jax.sampling_tensors import argmax_only  # here: the engine's modules import no JAX
+        from paged_jax.sampling_tensors import loop_decodable  # here: the engine's modules import no JAX
 
         if not out.scheduled or out.blocks_to_swap_in or out.blocks_to_swap_out or out.blocks_to_copy:
             return None
@@ -84,7 +89,7 @@ class MultiStepDecoder:
             if not (row.num_tokens == 1 and row.completes and len(spec.seeds) == 1 and seq.get_output_len() > 0
                     and row.group.beam is None and seq.matcher is None and not spec.num_candidates
                     and not spec.return_probs and spec.prompt_logprobs is None and not spec.num_speculative_tokens
-                    and argmax_only(p, seq.get_output_len(), self.eos_token_id)):
+                    and loop_decodable(p, seq.get_output_len(), self.eos_token_id)):
                 return None
             n = min(self.num_steps, self.max_model_len - seq.get_len())
             if p.max_tokens is not None:

@@ -203,7 +203,9 @@ def inverse_cdf(probs, u):
     return (b * _CDF_BLOCK + j).astype(jnp.int32)
 
 
-def _row_uniforms(key_data, key_offset):
+def row_uniforms(key_data, key_offset):
+    """float32[S]: each random row's uniform, from its threefry key words and offset (the docstring's
+    Randomness); :func:`sample`'s draw, and multi-step decoding's seeded draws in its loop."""
     keys = jax.random.wrap_key_data(key_data, impl="threefry2x32")
     draw = lambda k, o: jax.random.uniform(jax.random.fold_in(k, o), (), jnp.float32)
     return jax.vmap(draw)(keys, key_offset)
@@ -289,10 +291,17 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
     else:
         logits = _truncated(logits, t)
         logprobs = jax.nn.log_softmax(logits, axis=-1)
-        drawn = inverse_cdf(jnp.exp(logprobs), _row_uniforms(t.key_data, t.key_offset))
+        drawn = inverse_cdf(jnp.exp(logprobs), row_uniforms(t.key_data, t.key_offset))
         ids = jnp.where(t.greedy, _argmax(logits), drawn)
     lp = jnp.take_along_axis(logprobs, ids[:, None], -1)[:, 0]
     return SamplerOutput(ids, lp, *_top(logprobs, t.num_top))
+
+
+def processed_logprobs(logits: jax.Array, t: SamplingTensors) -> jax.Array:
+    """float32[S, V]: the logprobs :func:`sample` draws a random row's token from and reports (its
+    processing, then log-softmax); traced inline (the decode loop's draws)."""
+    logits = _masked(logits, t)
+    return jax.nn.log_softmax(logits if t.all_greedy else _truncated(logits, t), axis=-1)
 
 
 @jax.jit
@@ -314,4 +323,4 @@ def token_logprobs(logits: jax.Array, token_ids: jax.Array, num_top: int = 0):
     return (lp, *_top(logprobs, min(num_top, logits.shape[1])))
 
 
-__all__ = ["PAD_ID", "SamplerOutput", "SamplingTensors", "greedy_tokens", "inverse_cdf", "processed_probs", "sample", "seed_for_sample", "token_logprobs"]
+__all__ = ["PAD_ID", "SamplerOutput", "SamplingTensors", "greedy_tokens", "inverse_cdf", "processed_logprobs", "processed_probs", "row_uniforms", "sample", "seed_for_sample", "token_logprobs"]

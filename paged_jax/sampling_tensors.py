@@ -66,6 +66,16 @@ def argmax_only(params, num_output_tokens: int, eos_token_id: Optional[int]) -> 
             and not banned_ids(params, num_output_tokens, eos_token_id))
 
 
+def loop_decodable(params, num_output_tokens: int, eos_token_id: Optional[int]) -> bool:
+    """Whether multi-step decoding's loop (``paged_jax.executor.decode_loop``) can give a row's tokens:
+    the plain argmax (:func:`argmax_only`), or a random row's draw with at most that token's own
+    logprob (no top logprobs, no structured-output mask; its penalties and ``min_tokens`` ban the loop
+    applies as the sampler does)."""
+    if is_greedy(params):
+        return argmax_only(params, num_output_tokens, eos_token_id)
+    return not params.logprobs and getattr(params, "token_bitmask", None) is None
+
+
 @dataclass(frozen=True, eq=False)
 class SamplingTensors:
     """Per-row sampling parameters as arrays (a pytree; build with :meth:`from_params`).

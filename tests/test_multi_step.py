@@ -1,5 +1,6 @@
 """Multi-step decoding (num_scheduler_steps): greedy outputs equal transformers' and one-step decoding's,
-under preemption, stops, prefix caching and mixed batches, and no block is lost."""
+seeded sampled ones one-step decoding's, under preemption, stops, prefix caching and mixed batches, and no
+block is lost."""
 
 from __future__ import annotations
 
@@ -82,19 +83,58 @@ def test_a_request_arriving_waits_one_engine_step(hf_model_dir):
     assert engine.get_stats()["num_free_blocks"] == engine.get_stats()["num_total_blocks"]
 
 
-def test_a_sampled_row_runs_the_step_one_token_at_a_time(hf_model_dir):
-    """A batch with a sampled request decodes one step at a time, its draws those of one-step decoding."""
+def _tokens_and_logprobs(path, prompts, params, k, **kw):
+    llm = LLM(model=str(path), num_kv_blocks=128, num_scheduler_steps=k, **kw)
+    outs = llm.generate(prompt_token_ids=prompts, sampling_params=params, use_tqdm=False)
+    assert_all_free(llm)
+    return llm, [[(c.token_ids, c.cumulative_logprob, c.finish_reason) for c in o.outputs] for o in outs]
+
+
+def test_seeded_sampled_rows_in_a_loop_draw_one_step_decodings_tokens(hf_model_dir):
+    """Seeded random rows (temperature, top-k, top-p, min-p; presence, frequency and repetition
+    penalties; min_tokens banning EOS and a stop id; n = 2) decode in the loop, beside a greedy row, and
+    draw the tokens and logprobs one-step decoding draws: the sampler's uniforms, processing and inverse CDF."""
+    path = hf_model_dir("llama_gqa")
+    prompts = make_prompts(512, n=5)
+    eos = LLM(model=str(path), num_kv_blocks=16).llm_engine.eos_token_id
+    params = [SamplingParams(temperature=0, max_tokens=20, logprobs=0),
+              SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=3, max_tokens=20, logprobs=0),
+              SamplingParams(temperature=1.2, min_p=0.05, presence_penalty=0.6, frequency_penalty=0.4, seed=5,
+                             max_tokens=20, min_tokens=12, stop_token_ids=[7]),
+              SamplingParams(n=2, temperature=1.0, repetition_penalty=1.3, seed=11, max_tokens=20),
+              SamplingParams(temperature=1.5, seed=13, max_tokens=20)]
+    (_, one), (llm, multi) = (_tokens_and_logprobs(path, prompts, params, k) for k in (1, 4))
+    stats = multi_stats(llm)
+    assert stats["num_multi_steps"] >= 4 and stats["num_multi_step_tokens"] > 3 * stats["num_multi_steps"], stats
+    for i, (a, b) in enumerate(zip(one, multi)):
+        for (ta, la, fa), (tb, lb, fb) in zip(a, b):
+            assert tb == ta and fb == fa, f"request {i}: {tb} != {ta}"
+            assert lb == pytest.approx(la, rel=1e-4, abs=1e-4)
+    # min_tokens held EOS and the stop id off for 12 tokens (the loop banned them as the sampler does)
+    assert not {eos, 7} & set(multi[2][0][0][:12])
+    assert len({tuple(c[0]) for c in multi[3]}) == 2  # n = 2: each sample its own seed
+
+
+def test_unseeded_sampled_rows_draw_from_the_processed_distribution(hf_model_dir):
+    """Unseeded random rows draw at the runner's own uniforms: top_k=1 leaves only the argmax
+    (transformers' greedy tokens), and temperature 1 gives copies of one prompt different outputs."""
     path = hf_model_dir("llama_gqa")
     prompts = make_prompts(512, n=4)
-    params = [SamplingParams(temperature=0, max_tokens=12), SamplingParams(temperature=0.8, seed=3, max_tokens=6),
-              SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3),
-              SamplingParams(temperature=0, max_tokens=12)]
-    runs = {}
-    for k in (1, 4):
-        llm = LLM(model=str(path), num_kv_blocks=128, num_scheduler_steps=k)
-        runs[k] = [o.outputs[0].token_ids for o in llm.generate(prompt_token_ids=prompts, sampling_params=params,
-                                                                use_tqdm=False)]
-    assert runs[4] == runs[1]
+    llm, outs = _tokens_and_logprobs(path, prompts, SamplingParams(temperature=1.0, top_k=1, max_tokens=MAX_TOKENS), 4)
+    assert [o[0][0] for o in outs] == hf_greedy(path, prompts)
+    assert multi_stats(llm)["num_multi_steps"] > 0
+    llm, outs = _tokens_and_logprobs(path, [prompts[0]] * 4, SamplingParams(temperature=1.0, max_tokens=16), 4)
+    assert multi_stats(llm)["num_multi_steps"] > 0 and len({tuple(o[0][0]) for o in outs}) > 1
+
+
+def test_a_greedy_row_with_penalties_runs_the_step_one_token_at_a_time(hf_model_dir):
+    """A greedy row with a penalty (not the plain argmax) keeps its batch to one step at a time."""
+    path = hf_model_dir("llama_gqa")
+    prompts = make_prompts(512, n=3)
+    params = [SamplingParams(temperature=0, max_tokens=8), SamplingParams(temperature=0.8, seed=3, max_tokens=8),
+              SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3)]
+    (_, one), (llm, multi) = (_tokens_and_logprobs(path, prompts, params, k) for k in (1, 4))
+    assert multi == one and multi_stats(llm)["num_multi_steps"] == 0
 
 
 def test_prefix_caching_with_multi_step(hf_model_dir):
@@ -138,11 +178,12 @@ def test_warm_up_compiles_the_decode_loops(hf_model_dir):
     path = hf_model_dir("llama_gqa")
     llm = LLM(model=str(path), num_kv_blocks=64, max_num_seqs=4, max_model_len=64, num_scheduler_steps=4)
     engine = llm.llm_engine
-    engine.warm_up(progress=False)
+    sampled = SamplingParams(temperature=0.8, top_p=0.9, seed=1, max_tokens=20)
+    engine.warm_up([SamplingParams(temperature=0), sampled], progress=False)
     compiled = engine.runner.num_compilations
     assert len(engine.runner.decode_loops.compiled) > 0
     outs = llm.generate(prompt_token_ids=make_prompts(512, n=4, hi=30),
-                        sampling_params=SamplingParams(temperature=0, max_tokens=20), use_tqdm=False)
+                        sampling_params=[SamplingParams(temperature=0, max_tokens=20), sampled] * 2, use_tqdm=False)
     assert multi_stats(llm)["num_multi_steps"] > 0 and all(len(o.outputs[0].token_ids) == 20 for o in outs)
     assert engine.runner.num_compilations == compiled
 
@@ -254,3 +295,34 @@ def test_a_request_failing_inside_a_loop_ends_alone(hf_model_dir, monkeypatch):
     assert out[1].outputs[0].token_ids == alone[1][:7]  # up to the token whose processing failed, none after it
     assert out[0].outputs[0].token_ids == alone[0] and multi_stats(llm)["num_multi_steps"] >= 4
     assert_all_free(llm)
+
+
+def test_the_loops_draws_of_seeded_and_unseeded_rows():
+    """multi_step_draws: an unseeded row draws at fresh uniforms of the runner's generator (each step and
+    row its own), a seeded row at the sampler's key at its output's length (placeholders left out), a
+    greedy row takes the argmax."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from paged_jax.executor.decode_loop import multi_step_draws
+    from paged_jax.executor.interface import RowSampling
+    from paged_jax.sampling_tensors import SamplingTensors
+
+    def row(outputs):  # a scheduled row whose sequence holds its outputs and 3 placeholders
+        return SimpleNamespace(seq=SimpleNamespace(output_token_ids=outputs + [0, 0, 0], prompt_token_ids=[1, 2]))
+
+    seeded, unseeded = SamplingParams(temperature=0.7, seed=9), SamplingParams(temperature=0.7)
+    rows = [row([4, 5]), row([6]), row([7, 8, 9]), row([3])]
+    sampling = [RowSampling(seeded, (1234,)), RowSampling(unseeded, (None,)), RowSampling(unseeded, (None,)),
+                RowSampling(SamplingParams(temperature=0), (None,))]
+    draws = multi_step_draws(rows, sampling, [4, 4, 4, 4], 4, 8, 64, None, np.random.default_rng(0))
+    assert draws.keyed.tolist() == [True] + [False] * 7 and draws.sampled.tolist() == [True] * 3 + [False] * 5
+    assert draws.history_len[:4].tolist() == [2, 1, 3, 0]
+    one_step = SamplingTensors.from_params([(seeded, 1234, [1, 2], [4, 5])], 64)  # what the sampler would key
+    assert (draws.tensors.key_data[0] == one_step.key_data[0]).all()
+    assert draws.tensors.key_offset[0] == one_step.key_offset[0] == 2
+    u = draws.uniforms[:, 1:3]
+    assert ((u > 0) & (u < 1)).all() and len(np.unique(u)) == u.size  # fresh: per step and per row
+    assert not draws.uniforms[:, 3:].any()
+    assert multi_step_draws(rows[3:], sampling[3:], [4], 4, 8, 64, None, np.random.default_rng(0)) is None

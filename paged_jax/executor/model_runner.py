@@ -22,7 +22,7 @@ from paged_jax import envs
 from paged_jax.attention import AUTO, kv_quant, select_backend
 from paged_jax.executor import executable_cache
 from paged_jax.executor.batch import Batch, prepare_batch, split_steps, tile_capacity, warmup_shapes
-from paged_jax.executor.decode_loop import DecodeLoops
+from paged_jax.executor.decode_loop import DecodeLoops, multi_step_draws, sampled_draws_for
 from paged_jax.executor.draft_rows import drafts_as_rows, verification_chunks, verification_tiles
 from paged_jax.executor.interface import RowSampling, Sample, StepResult, check_sampling
 from paged_jax.executor.run_ahead import AheadStep, next_decode_batch, same_step
@@ -197,6 +197,7 @@ class ModelRunner:
         self._executables: dict = {}  # (shape_key, all_logits) -> compiled step, filled by warm_up
         self._functions: dict = {}  # (name, abstract arguments) -> compiled sampler, see _call
         self.sampler = StepSampler(config.vocab_size, seed, self._call)
+        self._loop_rng = np.random.default_rng(seed)  # multi-step decoding's unseeded draws
         step = on_param_leaves(make_step(config, self.attn, self.kv_layout), self.param_tree)
         self._step = jax.jit(step, static_argnums=(3,), donate_argnums=(1,), out_shardings=out_shardings)
         # Multi-step decoding's loops of this step (execute_steps): on one device, one layer group.
@@ -272,9 +273,11 @@ class ModelRunner:
         finally:
             if bar is not None:
                 bar.close()
-        if num_scheduler_steps > 1 and self.decode_loops is not None:
+        if num_scheduler_steps > 1 and self.decode_loops is not None:  # greedy, and drawing with sampling_params
             self.decode_loops.warm_up(num_scheduler_steps, self.param_leaves, self.kv_caches, max_num_seqs,
-                                      max_model_len)
+                                      max_model_len, sampled_draws_for(sampling_params, num_scheduler_steps,
+                                                                       self.config.vocab_size, keyed=True),
+                                      return_q=False)
         # The sampler for every row bucket, and the row selection out of each prefill shape's logits.
         self.sampler.warm_up(max_rows, [t for (t, _, _, tiles), _ in shapes if tiles], sampling_params, eos_token_id,
                              return_probs)
@@ -324,12 +327,14 @@ class ModelRunner:
         self.timings["cache_ops"] += time.perf_counter() - t0
 
     def execute_steps(self, out: SchedulerOutput, sampling: Sequence[RowSampling], limits: Sequence[int],
-                      num_steps: int) -> StepResult:
+                      num_steps: int, eos_token_id: Optional[int] = None) -> StepResult:
         """Multi-step decoding (``paged_jax.multi_step``): ``num_steps`` one-token steps of ``out``'s decode
-        rows in one jitted call (``paged_jax.executor.decode_loop``), each step's argmax the next one's
+        rows in one jitted call (``paged_jax.executor.decode_loop``), each step's token the next one's
         input. Row ``i`` runs its pending token at ``start_pos`` and keeps ``limits[i]`` tokens, its table
-        covering their slots. Every row asks for the plain argmax (``argmax_only``); its samples are the
-        steps' argmax and logprob (the logprobs entry with ``logprobs=0``), in order."""
+        covering their slots. Every row asks for one token and at most its logprob (``loop_decodable``):
+        a greedy row's is the plain argmax, a random row's is drawn in the loop as the sampler draws it
+        (a seeded row at the sampler's own uniforms); its samples are the steps' tokens and logprobs (the
+        logprobs entry with ``logprobs=0``), in order."""
         check_sampling(out, sampling)
         self._run_cache_ops(out)
         self._ahead = None  # a step run ahead is dropped: the loop's first step writes its K/V slot again
@@ -338,7 +343,9 @@ class ModelRunner:
         tokens = [row.seq.get_token_ids()[row.start_pos] for row in rows]
         ids, logprobs, self.kv_caches = self.decode_loops.run(
             num_steps, self.param_leaves, self.kv_caches, tokens, [row.start_pos for row in rows],
-            [row.block_table for row in rows], list(limits))
+            [row.block_table for row in rows], list(limits),
+            lambda num_rows: multi_step_draws(rows, sampling, limits, num_steps, num_rows, self.config.vocab_size,
+                                              eos_token_id, self._loop_rng))
         t1 = time.perf_counter()
         self.timings["device"] += t1 - t0
         result = StepResult()

@@ -214,5 +214,7 @@ def packs_weights() -> bool:
     XLA's matmul: XLA's float32 dots still run AVX-512 kernels there (YNNPACK picks them at run
     time), and beat the AVX2 tiles at batch 8 (0.83x). The portable loops lose everywhere.
     Quantized weights are packed wherever the kernels are built."""
+    if not available():  # first: it loads the library, which sets the matmul's instruction set
+        return False
     isa = _state.get("linear_isa", 0)
-    return available() and (isa == 2 or (isa == 1 and "avx512f" not in cpu_isa()))
+    return isa == 2 or (isa == 1 and "avx512f" not in cpu_isa())

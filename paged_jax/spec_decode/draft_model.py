@@ -63,20 +63,11 @@ class DraftModelProposer:
         """Compile the draft loop for every decode step shape of up to ``max_rows`` rows: greedy, and
         drawing with each sampled one of ``sampling_params`` (one or a list, as the engine's warm-up
         takes them; their rows' processing is the loop's static part)."""
-        from paged_jax.executor.decode_loop import loop_draws
-        from paged_jax.seeds import seed_for_sample
-        from paged_jax.sampling_tensors import is_greedy
+        from paged_jax.executor.decode_loop import sampled_draws_for
 
-        plist = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params]
-        plist = [p for p in plist if p is not None and not is_greedy(p)]
         r = self.runner
-
-        def draws_for(rows: int) -> list:
-            return [None] + [loop_draws([(p, None if p.seed is None else seed_for_sample(p.seed, 0), [0], [0])] * rows,
-                                        rows, self.k + 1, r.config.vocab_size, np.zeros((self.k + 1, rows)))
-                             for p in plist]
-
-        self.loops.warm_up(self.k + 1, r.param_leaves, r.kv_caches, max_rows, max_model_len, draws_for)
+        self.loops.warm_up(self.k + 1, r.param_leaves, r.kv_caches, max_rows, max_model_len,
+                           sampled_draws_for(sampling_params, self.k + 1, r.config.vocab_size, keyed=False))
 
     @classmethod
     def load(cls, path: str, target_runner, k: int) -> "DraftModelProposer":
