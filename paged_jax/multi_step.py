@@ -10,7 +10,7 @@ When it applies (:meth:`MultiStepDecoder.plan`): the scheduler gave the step dec
 runs its one pending token and samples it; no prompt chunk, so nothing waiting could be admitted now),
 no cache operation is due, and every row asks for one token and at most its own logprob
 (``loop_decodable``): a greedy row the plain argmax (no penalties, no banned ids), a random row a draw
-(temperature, top-k, top-p, min-p, penalties, ``min_tokens``, seeds), neither with top logprobs, a
+(temperature, top-k, top-p, min-p, ``min_tokens``, seeds), neither with penalties, top logprobs, a
 grammar or beam search. Otherwise the step runs as usual. A request that arrives meanwhile is scheduled by the next engine step, after the k tokens; one
 that waits for a free sequence slot or blocks waits up to k - 1 tokens longer when a row stops inside
 a loop.
@@ -24,8 +24,8 @@ stopped sequence's blocks (their slots too) are freed with it.
 
 Why the outputs are one-step decoding's: a greedy token is the model's argmax given the tokens before
 it, and the loop runs the same step function on exactly those tokens at the same positions. A random
-row's token is drawn from the sampler's processed distribution (``processed_logprobs``, its penalties
-over the tokens before) by the sampler's inverse CDF: a seeded row at the sampler's own uniform (its
+row's token is drawn from the sampler's processed distribution (``processed_logprobs``) by the
+sampler's inverse CDF: a seeded row at the sampler's own uniform (its
 key at the output's length), so the same token; an unseeded row at a uniform of the runner's own
 generator, so a draw from the same distribution. (The loop's block tables may be wider than a one-step
 batch's, so the attention may sum over another padded length: a near-tie between two logits, or a

@@ -69,11 +69,12 @@ def argmax_only(params, num_output_tokens: int, eos_token_id: Optional[int]) -> 
 def loop_decodable(params, num_output_tokens: int, eos_token_id: Optional[int]) -> bool:
     """Whether multi-step decoding's loop (``paged_jax.executor.decode_loop``) can give a row's tokens:
     the plain argmax (:func:`argmax_only`), or a random row's draw with at most that token's own
-    logprob (no top logprobs, no structured-output mask; its penalties and ``min_tokens`` ban the loop
-    applies as the sampler does)."""
+    logprob (no top logprobs, no structured-output mask; its ``min_tokens`` ban the loop applies as the
+    sampler does). Not with penalties: the loop would carry the output so far in an array whose width
+    follows its length, and compile again at every power of two."""
     if is_greedy(params):
         return argmax_only(params, num_output_tokens, eos_token_id)
-    return not params.logprobs and getattr(params, "token_bitmask", None) is None
+    return not params.logprobs and getattr(params, "token_bitmask", None) is None and not uses_penalties(params)
 
 
 @dataclass(frozen=True, eq=False)

@@ -91,17 +91,16 @@ def _tokens_and_logprobs(path, prompts, params, k, **kw):
 
 
 def test_seeded_sampled_rows_in_a_loop_draw_one_step_decodings_tokens(hf_model_dir):
-    """Seeded random rows (temperature, top-k, top-p, min-p; presence, frequency and repetition
-    penalties; min_tokens banning EOS and a stop id; n = 2) decode in the loop, beside a greedy row, and
-    draw the tokens and logprobs one-step decoding draws: the sampler's uniforms, processing and inverse CDF."""
+    """Seeded random rows (temperature, top-k, top-p, min-p; min_tokens banning EOS and a stop id; n = 2)
+    decode in the loop, beside a greedy row, and draw the tokens and logprobs one-step decoding draws: the
+    sampler's uniforms, processing and inverse CDF."""
     path = hf_model_dir("llama_gqa")
     prompts = make_prompts(512, n=5)
     eos = LLM(model=str(path), num_kv_blocks=16).llm_engine.eos_token_id
     params = [SamplingParams(temperature=0, max_tokens=20, logprobs=0),
               SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=3, max_tokens=20, logprobs=0),
-              SamplingParams(temperature=1.2, min_p=0.05, presence_penalty=0.6, frequency_penalty=0.4, seed=5,
-                             max_tokens=20, min_tokens=12, stop_token_ids=[7]),
-              SamplingParams(n=2, temperature=1.0, repetition_penalty=1.3, seed=11, max_tokens=20),
+              SamplingParams(temperature=1.2, min_p=0.05, seed=5, max_tokens=20, min_tokens=12, stop_token_ids=[7]),
+              SamplingParams(n=2, temperature=1.0, seed=11, max_tokens=20),
               SamplingParams(temperature=1.5, seed=13, max_tokens=20)]
     (_, one), (llm, multi) = (_tokens_and_logprobs(path, prompts, params, k) for k in (1, 4))
     stats = multi_stats(llm)
@@ -127,12 +126,16 @@ def test_unseeded_sampled_rows_draw_from_the_processed_distribution(hf_model_dir
     assert multi_stats(llm)["num_multi_steps"] > 0 and len({tuple(o[0][0]) for o in outs}) > 1
 
 
-def test_a_greedy_row_with_penalties_runs_the_step_one_token_at_a_time(hf_model_dir):
-    """A greedy row with a penalty (not the plain argmax) keeps its batch to one step at a time."""
+@pytest.mark.parametrize("penalised", [SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3),
+                                       SamplingParams(temperature=0.9, seed=5, max_tokens=12, presence_penalty=0.6,
+                                                      frequency_penalty=0.4)], ids=["greedy", "sampled"])
+def test_a_row_with_penalties_runs_the_step_one_token_at_a_time(hf_model_dir, penalised):
+    """A row with penalties keeps its batch to one step at a time (the loop would compile again as its
+    output grows), its tokens one-step decoding's."""
     path = hf_model_dir("llama_gqa")
     prompts = make_prompts(512, n=3)
     params = [SamplingParams(temperature=0, max_tokens=8), SamplingParams(temperature=0.8, seed=3, max_tokens=8),
-              SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.3)]
+              penalised]
     (_, one), (llm, multi) = (_tokens_and_logprobs(path, prompts, params, k) for k in (1, 4))
     assert multi == one and multi_stats(llm)["num_multi_steps"] == 0
 

@@ -133,9 +133,10 @@ def loop_draws(rows: Sequence[tuple], num_rows: int, num_steps: int, vocab_size:
     from paged_jax.sampling_params import SamplingParams
 
     greedy = SamplingParams(temperature=0)
-    # The banned ids of every row at its history's length (min_tokens' ban, lifted in the loop); the
-    # loop's own history, with room for the drafts, replaces the output ids where penalties need them.
-    tensors = SamplingTensors.from_params([(p or greedy, s, prompt, h) for p, s, prompt, h in rows], vocab_size,
+    # The banned ids of every row as if at its first token (min_tokens' ban, lifted in the loop: the
+    # width stays the request's own) and no history: the loop's own, with room for the drafts, replaces
+    # it where penalties need it.
+    tensors = SamplingTensors.from_params([(p or greedy, s, prompt, ()) for p, s, prompt, _ in rows], vocab_size,
                                           pad_to=num_rows, num_top=0, eos_token_id=eos_token_id)
     history_len = np.zeros(num_rows, np.int32)
     history_len[:len(rows)] = [len(h) for *_, h in rows]
@@ -152,8 +153,10 @@ def loop_draws(rows: Sequence[tuple], num_rows: int, num_steps: int, vocab_size:
     u[:, :len(rows)] = uniforms
     keyed_rows = np.zeros(num_rows, bool)
     keyed_rows[:len(keyed)] = keyed
-    return LoopDraws(dataclasses.replace(tensors, output_token_ids=history), u, sampled, history_len, banned_until,
-                     keyed_rows)
+    # A seeded row's key at its output's length (from_params saw none), as the sampler keys it.
+    key_offset = np.where(keyed_rows, history_len.astype(np.uint32), tensors.key_offset)
+    return LoopDraws(dataclasses.replace(tensors, output_token_ids=history, key_offset=key_offset), u, sampled,
+                     history_len, banned_until, keyed_rows)
 
 
 def loop_batch(tokens: list[int], positions: list[int], tables: list[list[int]], limits: list[int],
@@ -266,6 +269,6 @@ def multi_step_draws(rows, sampling, limits: Sequence[int], num_steps: int, num_
         history = seq.output_token_ids[:len(seq.output_token_ids) - (n - 1)]
         specs.append((spec.params, spec.seeds[0], seq.prompt_token_ids, history) if r else (None, None, (), ()))
         if r and spec.seeds[0] is None:
-            uniforms[:, b] = rng.random(num_steps)
+            uniforms[:, b] = rng.random(num_steps, dtype=np.float32)  # in [0, 1), as float32
     keyed = [r and spec.seeds[0] is not None for r, spec in zip(random, sampling)]
     return loop_draws(specs, num_rows, num_steps, vocab_size, uniforms, keyed, eos_token_id)
