@@ -97,6 +97,8 @@ def add_request_args(ap) -> None:
     ap.add_argument("--attention-backend", default="auto",
                     help="paged-jax: 'auto' (Pallas on a GPU, native on a CPU), 'reference', 'native', 'pallas', ...")
     ap.add_argument("--dtype", default="auto", help="paged-jax: the model's dtype (auto: the checkpoint's)")
+    ap.add_argument("--num-scheduler-steps", type=int, default=1,
+                    help="paged-jax: decode steps per engine step (multi-step decoding; default 1)")
     ap.add_argument("--enable-chunked-prefill", choices=["default", "on", "off"], default="default",
                     help="paged-jax: chunked prefill as the engine's default (on), on, or off (the paper's mode)")
 
@@ -147,7 +149,8 @@ def make_llm(a, model: str, max_model_len: int, max_num_seqs: Optional[int] = No
     llm = LLM(model, max_num_seqs=max_num_seqs or a.max_num_seqs, max_model_len=max_model_len,
               block_size=a.block_size, num_kv_blocks=a.num_kv_blocks,
               max_num_batched_tokens=a.max_num_batched_tokens, seed=a.seed,
-              attention_backend=getattr(a, "attention_backend", "auto"), dtype=getattr(a, "dtype", "auto"), **kw)
+              attention_backend=getattr(a, "attention_backend", "auto"), dtype=getattr(a, "dtype", "auto"),
+              num_scheduler_steps=getattr(a, "num_scheduler_steps", 1), **kw)
     if warm_up:
         t = time.perf_counter()
         n = llm.llm_engine.warm_up(sampling_params(a, 1))
