@@ -297,19 +297,23 @@ def sample(logits: jax.Array, t: SamplingTensors) -> SamplerOutput:
     return SamplerOutput(ids, lp, *_top(logprobs, t.num_top))
 
 
+def _processed(logits, t: SamplingTensors):
+    """Steps 1-6: a random row's logits as :func:`sample` draws from them (a greedy row's: penalised)."""
+    logits = _masked(logits, t)
+    return logits if t.all_greedy else _truncated(logits, t)
+
+
 def processed_logprobs(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     """float32[S, V]: the logprobs :func:`sample` draws a random row's token from and reports (its
     processing, then log-softmax); traced inline (the decode loop's draws)."""
-    logits = _masked(logits, t)
-    return jax.nn.log_softmax(logits if t.all_greedy else _truncated(logits, t), axis=-1)
+    return jax.nn.log_softmax(_processed(logits, t), axis=-1)
 
 
 @jax.jit
 def processed_probs(logits: jax.Array, t: SamplingTensors) -> jax.Array:
     """float32[S, V]: the distribution each random row of :func:`sample` draws from (speculative
     decoding's sampled drafts verify with it); a greedy row's is its penalised softmax."""
-    logits = _masked(logits, t)
-    return jax.nn.softmax(logits if t.all_greedy else _truncated(logits, t), axis=-1)
+    return jax.nn.softmax(_processed(logits, t), axis=-1)
 
 
 @partial(jax.jit, static_argnames=("num_top",))
