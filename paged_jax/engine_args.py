@@ -143,8 +143,9 @@ def build_engine_parts(args: EngineArgs) -> EngineParts:
     """Load the model (and tokenizer) of ``args``, size the KV pool and build the model runner."""
     from transformers import AutoTokenizer
 
-    from paged_jax.executor.model_runner import (ModelRunner, available_kv_memory, enable_compilation_cache,
-                                                 num_blocks_for_memory)
+    from paged_jax.executor.executable_cache import enable_compilation_cache
+    from paged_jax.executor.kv_sizing import available_kv_memory, num_blocks_for_memory
+    from paged_jax.executor.model_runner import ModelRunner
     from paged_jax.models.tiny import default_model_path
     from paged_jax.executor.loading import load_for_serving
     from paged_jax.spec_decode.draft_model import draft_kv_bytes_per_token, draft_weight_bytes

@@ -111,10 +111,10 @@ def test_the_pools_sized_from_memory_hold_the_draft_models_cache_too(tiny_llama_
     and the draft's arrays together fit what was allowed, and one more block each would not. The sizing
     is told the draft's weights, not loaded yet (an accelerator's share holds them: see the next test):
     the bytes of the arrays the draft then loads."""
-    from paged_jax.executor import model_runner
+    from paged_jax.executor import kv_sizing
 
-    told, sizing = [], model_runner.available_kv_memory
-    monkeypatch.setattr(model_runner, "available_kv_memory", lambda *a: told.append(a[3]) or sizing(*a))
+    told, sizing = [], kv_sizing.available_kv_memory
+    monkeypatch.setattr(kv_sizing, "available_kv_memory", lambda *a: told.append(a[3]) or sizing(*a))
     device, host = 300_000, 200_000  # bytes: a few dozen blocks, far under the pools' cap
     llm = LLM(str(tiny_llama_dir), max_model_len=64, cpu_kv_cache_space=device / 2 ** 30, swap_space=host / 2 ** 30,
               speculative_config={"model": str(other_draft), "num_speculative_tokens": 2})
@@ -136,7 +136,7 @@ def test_the_pools_sized_from_memory_hold_the_draft_models_cache_too(tiny_llama_
 def test_an_accelerators_kv_share_leaves_out_the_weights_still_to_load(monkeypatch):
     """On an accelerator the KV cache gets gpu_memory_utilization of the device's memory less what is in
     use (the target's weights) and less the weights still to load (a draft model's)."""
-    from paged_jax.executor import model_runner
+    from paged_jax.executor import kv_sizing
 
     class Device:
         platform = "gpu"
@@ -144,11 +144,11 @@ def test_an_accelerators_kv_share_leaves_out_the_weights_still_to_load(monkeypat
         def memory_stats(self):
             return {"bytes_limit": 10_000, "bytes_in_use": 3_000}
 
-    monkeypatch.setattr(model_runner.jax, "devices", lambda: [Device()])
-    monkeypatch.setattr(model_runner.jax, "local_devices", lambda: [Device()])
-    assert model_runner.available_kv_memory(0.9, 4, 1) == 6_000
-    assert model_runner.available_kv_memory(0.9, 4, 1, 1_500) == 4_500
-    assert model_runner.available_kv_memory(0.9, 4, 1, 7_000) == 0
+    monkeypatch.setattr(kv_sizing.jax, "devices", lambda: [Device()])
+    monkeypatch.setattr(kv_sizing.jax, "local_devices", lambda: [Device()])
+    assert kv_sizing.available_kv_memory(0.9, 4, 1) == 6_000
+    assert kv_sizing.available_kv_memory(0.9, 4, 1, 1_500) == 4_500
+    assert kv_sizing.available_kv_memory(0.9, 4, 1, 7_000) == 0
 
 
 def test_a_draft_with_another_vocabulary_is_refused(tiny_llama_dir, tmp_path):

@@ -60,6 +60,30 @@ from paged_jax import envs
 
 logger = logging.getLogger("paged_jax")
 
+
+def enable_compilation_cache(path: Optional[str] = None) -> None:
+    """JAX's persistent compilation cache in ``path`` (default: :func:`paged_jax.envs.compile_cache_dir`,
+    None when switched off): a second start of the same model skips compiling. It is process-wide
+    (``jax.config``): the first engine that sets it chooses the folder, later ones keep it."""
+    path = path or envs.compile_cache_dir()
+    if path is None:
+        return
+    path = str(path)
+    current = getattr(jax.config, "jax_compilation_cache_dir", None)
+    if current:
+        if current != path:
+            logger.info("JAX's persistent compilation cache stays in %s (process-wide, set by an earlier engine); "
+                        "this engine's compiled steps go to its own folder", current)
+        return
+    try:
+        jax.config.update("jax_compilation_cache_dir", path)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+        logger.info("JAX's persistent compilation cache (jax.config, for the whole process): %s", path)
+    except Exception as e:  # an old or new JAX without these options: run without the cache
+        logger.info("persistent compilation cache unavailable: %s", e)
+
+
 FORMAT = 1  # bump when the entry layout changes
 DEFAULT_MAX_MB = 2048  # the folder's size bound, unless PAGED_JAX_EXECUTABLE_CACHE_MAX_MB says otherwise
 ROOT = Path(__file__).resolve().parents[2]  # the checkout: paged_jax/ and pallas_kernels/

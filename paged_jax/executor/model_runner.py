@@ -10,7 +10,6 @@ updated in place. Batch shapes come from a small set of power-of-two buckets;
 from __future__ import annotations
 
 import logging
-import os
 import time
 from typing import NamedTuple, Optional, Sequence
 
@@ -18,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from paged_jax import envs
 from paged_jax.attention import AUTO, kv_quant, select_backend
 from paged_jax.executor import executable_cache
 from paged_jax.executor.batch import Batch, prepare_batch, split_steps, tile_capacity, warmup_shapes
@@ -35,64 +33,6 @@ from paged_jax.sampler import greedy_tokens
 from paged_jax.scheduler import SchedulerOutput
 
 logger = logging.getLogger("paged_jax")
-
-
-def enable_compilation_cache(path: Optional[str] = None) -> None:
-    """JAX's persistent compilation cache in ``path`` (default: :func:`paged_jax.envs.compile_cache_dir`,
-    None when switched off): a second start of the same model skips compiling. It is process-wide
-    (``jax.config``): the first engine that sets it chooses the folder, later ones keep it."""
-    path = path or envs.compile_cache_dir()
-    if path is None:
-        return
-    path = str(path)
-    current = getattr(jax.config, "jax_compilation_cache_dir", None)
-    if current:
-        if current != path:
-            logger.info("JAX's persistent compilation cache stays in %s (process-wide, set by an earlier engine); "
-                        "this engine's compiled steps go to its own folder", current)
-        return
-    try:
-        jax.config.update("jax_compilation_cache_dir", path)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-        jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-        logger.info("JAX's persistent compilation cache (jax.config, for the whole process): %s", path)
-    except Exception as e:  # an old or new JAX without these options: run without the cache
-        logger.info("persistent compilation cache unavailable: %s", e)
-
-
-def available_kv_memory(fraction: float, cpu_kv_cache_space: float, num_devices: int = 1,
-                        weights_to_load: int = 0) -> int:
-    """Bytes the KV cache may take: ``fraction`` of free device memory on an accelerator (summed
-    over ``num_devices``, the tensor-parallel shards, each counted as the fullest one), less
-    ``weights_to_load`` bytes a device of weights not loaded yet (a draft model's);
-    on the CPU at most ``cpu_kv_cache_space`` GiB and half of the available RAM. Across
-    several processes, the smallest answer of any (every host must size the same pool)."""
-    if jax.devices()[0].platform != "cpu":
-        free = []
-        for d in jax.local_devices()[:num_devices]:
-            stats = d.memory_stats() or {}
-            free.append(stats.get("bytes_limit", 0) * fraction - stats.get("bytes_in_use", 0) - weights_to_load)
-        nbytes = min(free) * num_devices
-    else:
-        try:
-            avail = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-        except (ValueError, OSError):
-            avail = 8 << 30
-        nbytes = min(cpu_kv_cache_space * (1 << 30), 0.5 * avail)
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        nbytes = float(np.min(multihost_utils.process_allgather(np.float64(nbytes))))
-    return int(max(0, nbytes))
-
-
-def num_blocks_for_memory(config: ModelConfig, block_size: int, nbytes: int,
-                          layers_per_block: Optional[int] = None, extra_bytes_per_token: int = 0) -> int:
-    """Blocks of ``block_size`` tokens of ``layers_per_block`` layers (default: all) in ``nbytes``, each
-    also costing ``extra_bytes_per_token`` a token in a cache indexed by the same block ids (a draft model's)."""
-    layers = config.num_layers if layers_per_block is None else layers_per_block
-    per_block = block_size * (config.kv_bytes_per_token * layers + extra_bytes_per_token * config.num_layers)
-    return nbytes * config.num_layers // per_block
 
 
 # The step computes its rows' greedy tokens only up to this many logits (rows x vocabulary, 1 MiB of
