@@ -124,15 +124,23 @@ inline void AttendTileGroup(const TileGroup& g, const float* kf, const float* co
   for (int64_t c = 0; c < nk; c += KT) {
     const int64_t nc = std::min<int64_t>(KT, nk - c);
     const float* k = kf + c * D;  // [KT, D] (zeros past the chunk's keys)
-    F s[KT];
-    for (int t = 0; t < KT; ++t) s[t] = Vec::Zero();
-    for (int64_t d = 0; d < D; ++d) {  // scores: each key element broadcast to the W rows
-      const F q = Vec::Load(g.qt + d * W);
-      for (int t = 0; t < KT; ++t) s[t] = Vec::Fma(Vec::Set(k[t * D + d]), q, s[t]);
+    {
+      // Scores: each key element broadcast to the W rows. The KT sums stay in registers through the
+      // loop and go to pt once after it: with the later loops reading them, GCC kept them in memory
+      // and stored all KT every step, a 256-bit store per FMA (AVX2: twice the FMAs' time).
+      F acc[KT];
+      for (int t = 0; t < KT; ++t) acc[t] = Vec::Zero();
+      for (int64_t d = 0; d < D; ++d) {
+        const F q = Vec::Load(g.qt + d * W);
+        for (int t = 0; t < KT; ++t) acc[t] = Vec::Fma(Vec::Set(k[t * D + d]), q, acc[t]);
+      }
+      for (int t = 0; t < KT; ++t) Vec::Store(pt + t * W, acc[t]);
     }
+    F s[KT];
     F mx = Vec::Load(g.m);
     const F m_old = mx;
     for (int t = 0; t < KT; ++t) {
+      s[t] = Vec::Load(pt + t * W);
       if (soft_cap > 0.f) s[t] = SoftCap(s[t], soft_cap);
       s[t] = t < nc ? Vec::Visible(s[t], Vec::Set(static_cast<float>(pos0 + c + t)), pos, lo) : Vec::Set(-INFINITY);
       mx = Vec::Max(mx, s[t]);
