@@ -89,7 +89,8 @@ class LLMEngine:
         self.timings = {"schedule": 0.0, "execute": 0.0, "process": 0.0, "detokenize": 0.0}
         self._grammars = None  # structured output's GrammarCompiler, built for the first constrained request
         # None: off; a draft model (speculative_config['model']) is loaded beside the executor
-        self.spec_decoder = SpecDecoder.build(speculative_config, block_manager, scheduler_config, executor)
+        self.spec_decoder = SpecDecoder.build(speculative_config, block_manager, scheduler_config, executor,
+                                              self.eos_token_id)
         # No step run ahead (executor.run_ahead) beside a draft model, nor where a cost model learns from step times.
         draft_or_cost = getattr(self.spec_decoder, "draft", None) or self.scheduler.step_cost
         if draft_or_cost is not None and hasattr(executor, "run_ahead"):

@@ -105,6 +105,42 @@ def test_fork_copies_reach_the_draft_models_cache(tiny_llama_dir):
     _check_all_blocks_back(llm.llm_engine)
 
 
+def test_drafts_ban_eos_under_min_tokens_as_the_target_does(tiny_llama_dir):
+    """A sampled request with min_tokens: the target's sampler bans EOS until then, and so do the
+    draft's own step (a step with a prompt chunk: the first draft) and its loop (the drafts after it):
+    each draft's q gives EOS no mass before min_tokens, and some after."""
+    from paged_jax.spec_decode import draft_model
+
+    target = str(tiny_llama_dir)
+    llm = LLM(target, block_size=4, num_kv_blocks=64, max_model_len=64, max_num_batched_tokens=16,
+              speculative_config={"model": target, "num_speculative_tokens": 3})
+    engine = llm.llm_engine
+    eos, proposer = engine.eos_token_id, engine.spec_decoder.draft
+    assert eos is not None
+    records, propose = [], proposer.propose
+
+    def recording_propose(out, limits, block_manager):
+        before = {i: out.scheduled[i].seq.get_output_len() for i in limits}
+        decode_only = draft_model._decode_only(out)
+        drafts = propose(out, limits, block_manager)
+        records.extend((before[i], proposer.probs[i], decode_only) for i in drafts if i in proposer.probs)
+        return drafts
+
+    proposer.propose = recording_propose
+    params = SamplingParams(temperature=0.9, seed=5, max_tokens=16, min_tokens=10)
+    engine.add_request("a", PROMPTS[0], params)
+    for _ in range(4):
+        engine.step()
+    engine.add_request("b", PROMPTS[1], params)  # its prompt chunks beside a's drafted decodes
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert any(d for *_, d in records) and any(not d for *_, d in records)  # the loop alone, and the first draft
+    before = [q[j, eos] for n, q, _ in records for j in range(len(q)) if n + j < params.min_tokens]
+    after = [q[j, eos] for n, q, _ in records for j in range(len(q)) if n + j >= params.min_tokens]
+    assert before and after and max(before) == 0.0 and min(after) > 0.0, (max(before), min(after or [0]))
+    _check_all_blocks_back(engine)
+
+
 def test_the_pools_sized_from_memory_hold_the_draft_models_cache_too(tiny_llama_dir, other_draft, monkeypatch):
     """Without num_kv_blocks the pools' blocks come from the memory allowed (cpu_kv_cache_space on the CPU,
     swap_space for the host pool); the draft's caches have a block for each of the target's: the target's

@@ -92,9 +92,11 @@ class SpecDecoder:
     """Proposes draft tokens for a step's decoding rows and verifies the target's tokens."""
 
     @classmethod
-    def build(cls, config, block_manager: "BlockManager", scheduler_config, executor=None) -> Optional["SpecDecoder"]:
+    def build(cls, config, block_manager: "BlockManager", scheduler_config, executor=None,
+              eos_token_id: Optional[int] = None) -> Optional["SpecDecoder"]:
         """The engine's decoder for ``config`` (a dict or SpeculativeConfig; None: no speculation); a
-        draft model is loaded beside ``executor`` (the target's model runner)."""
+        draft model is loaded beside ``executor`` (the target's model runner), drafting with the engine's
+        ``eos_token_id`` (banned under ``min_tokens``)."""
         if config is None:
             return None
         config = SpeculativeConfig.from_dict(config)
@@ -102,7 +104,7 @@ class SpecDecoder:
         if config.method == "draft_model":
             from paged_jax.spec_decode.draft_model import DraftModelProposer
 
-            draft = DraftModelProposer.load(config.model, executor, config.num_speculative_tokens)
+            draft = DraftModelProposer.load(config.model, executor, config.num_speculative_tokens, eos_token_id)
         return cls(config, block_manager, scheduler_config.max_model_len, scheduler_config.max_num_batched_tokens,
                    draft, getattr(executor, "seed", 0))
 
@@ -252,7 +254,7 @@ class SpecDecoder:
             plist = sampling_params if isinstance(sampling_params, (list, tuple)) else [sampling_params]
             plist = [SamplingParams(temperature=0), *(p for p in plist if p is not None)]
             self.draft.runner.warm_up(c.max_num_seqs, c.max_num_batched_tokens, c.max_model_len, plist,
-                                      progress=progress, return_probs=True)
+                                      self.draft.eos_token_id, progress=progress, return_probs=True)
             off = self.config.disable_by_batch_size  # steps of that many rows never draft
             self.draft.warm_up(c.max_num_seqs if off is None else min(c.max_num_seqs, off - 1), c.max_model_len,
                                sampling_params)

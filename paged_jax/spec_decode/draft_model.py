@@ -24,7 +24,7 @@ acceptance would suffer, never the output.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import numpy as np
 
@@ -51,8 +51,9 @@ class _DraftRow:
 class DraftModelProposer:
     """Proposes each speculating row's drafts with the draft model (see the module docstring)."""
 
-    def __init__(self, runner, k: int) -> None:
+    def __init__(self, runner, k: int, eos_token_id: Optional[int] = None) -> None:
         self.runner, self.k = runner, k
+        self.eos_token_id = eos_token_id  # banned with the stop ids under min_tokens, as the target's sampler bans it
         # Drafts after the first (greedy and sampled): k + 1 one-token steps in one jitted call, the draft
         # runner's own decode loops (executor/decode_loop.py).
         self.loops = runner.decode_loops
@@ -70,9 +71,10 @@ class DraftModelProposer:
                            sampled_draws_for(sampling_params, self.k + 1, r.config.vocab_size, keyed=False))
 
     @classmethod
-    def load(cls, path: str, target_runner, k: int) -> "DraftModelProposer":
+    def load(cls, path: str, target_runner, k: int, eos_token_id: Optional[int] = None) -> "DraftModelProposer":
         """The draft model of folder ``path`` beside ``target_runner`` (its block count, attention backend,
-        dtype); ValueError when its vocabulary differs or the target's cache is split in layer groups."""
+        dtype), drafting with the engine's ``eos_token_id``; ValueError when its vocabulary differs or the
+        target's cache is split in layer groups."""
         from paged_jax import envs
         from paged_jax.executor.loading import load_for_serving
         from paged_jax.executor.model_runner import ModelRunner
@@ -90,7 +92,7 @@ class DraftModelProposer:
         num_cpu_blocks = target_runner.host_pool[0][0].shape[0] if target_runner.host_pool else 0
         runner = ModelRunner(config, params, target_runner.block_size, num_gpu_blocks, num_cpu_blocks,
                              target_runner.attention_backend, target_runner.seed, native_kernels=native)
-        return cls(runner, k)
+        return cls(runner, k, eos_token_id)
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copy blocks ``(src, dst)`` in the draft's cache, as the engine copied them in the target's."""
@@ -116,7 +118,7 @@ class DraftModelProposer:
         # go to the sampler whole, the shapes warm-up compiled.
         sampling = [sampled.get(i) or RowSampling(greedy, (None,) if row.completes else ())
                     for i, row in enumerate(out.scheduled)]
-        result = self.runner.execute(out, sampling)
+        result = self.runner.execute(out, sampling, self.eos_token_id)
         first = {i: self._next(out.scheduled[i], result.samples[i][0]) for i in limits}
         return self._propose_in_loop(out, limits, first, block_manager)
 
@@ -189,7 +191,8 @@ class DraftModelProposer:
             for j in range(from_loop[b]):
                 uniforms[j, b] = position_rng(seed, len(history) + j, DRAFT, self.unseeded).random()
             specs.append((row.group.sampling_params, seed, row.seq.prompt_token_ids, history))
-        return loop_draws(specs, num_rows, self.k + 1, self.runner.config.vocab_size, uniforms)
+        return loop_draws(specs, num_rows, self.k + 1, self.runner.config.vocab_size, uniforms,
+                          eos_token_id=self.eos_token_id)
 
     def _next(self, row, sample) -> tuple[int, "np.ndarray | None"]:
         """The row's next draft and the q it was drawn from (None: a greedy row's argmax)."""
