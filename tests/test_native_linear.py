@@ -240,7 +240,8 @@ def test_avx2_paths_without_avx512(tmp_path_factory):
     # (its float32 dots still run AVX-512 kernels; bench_isa_decode.py)
     assert out["packs_weights"] is (avx2 and "avx512f" not in native.cpu_isa())
     # quantized steps past so many rows go to XLA's dequantize-then-matmul there
-    assert out["status"]["quantized_native_rows"] == native.QUANTIZED_NATIVE_ROWS
+    assert out["status"]["quantized_native_rows"] == (LIMITS_ON_AN_AVX2_CPU if "avx512f" not in native.cpu_isa()
+                                                      else LIMITS_ON_AN_AVX512_CPU)
 
 
 @needs_native
@@ -272,8 +273,9 @@ def test_isa_paths_where_the_cpu_has_them(monkeypatch, tiny_llama_dir):
     assert native.paths() == {"attention": linear, "linear float32": linear,
                               "linear quantized": linear, "linear int8 x int8": int8, "linear int4 x int8": int8}
     assert native.packs_weights() == (linear == "avx512" or (linear == "avx2" and "avx512f" not in isa))
-    assert set(native.status()["quantized_native_rows"].values()) == ({None} if linear == "avx512" else
-                                                                      set(native.QUANTIZED_NATIVE_ROWS.values()))
+    assert native.status()["quantized_native_rows"] == (
+        dict.fromkeys(LIMITS_ON_AN_AVX2_CPU) if linear == "avx512" else
+        LIMITS_ON_AN_AVX2_CPU if linear == "avx2" and "avx512f" not in isa else LIMITS_ON_AN_AVX512_CPU)
     monkeypatch.setitem(native._state, "linear_isa", 0)  # as on a CPU with neither
     cfg, params, _ = load_for_serving(str(tiny_llama_dir), "float32", 1)
     runner = ModelRunner(cfg, params, 4, 8, 0)
@@ -405,36 +407,61 @@ def test_pack_params_packs_the_quantized_weights_the_kernel_takes_and_leaves_the
         np.testing.assert_allclose(np.asarray(packed[k](x)), np.asarray(weights[k](x)), rtol=1e-5, atol=1e-4)
 
 
-@needs_native
-@pytest.mark.parametrize("fmt,limit", [("int8", None), ("int4", 64), ("fp8", 32)])
-def test_quantized_steps_past_the_row_limit_run_xla_without_avx512(monkeypatch, fmt, limit):
-    """Without AVX-512 (a build's linear path, set here as an AVX2 build reports it) a quantized
-    layer gives the native kernel steps of up to its format's row limit and XLA's dequantize-then-
-    matmul the longer ones (int8: no limit, the kernel at every row count); with AVX-512, the kernel
-    at every row count. Both equal numpy's product."""
-    from paged_jax.weights import QuantizedLinear
+# The row limits by CPU, as measured (paged_jax/native/build.py): an AVX-512 CPU running a build
+# without it, and a CPU with only AVX2. With AVX-512 built in: the kernel at every row count.
+LIMITS_ON_AN_AVX512_CPU = {"int8": None, "int4": 64, "fp8": 32, "int4 x int8": 64}
+LIMITS_ON_AN_AVX2_CPU = {"int8": None, "int4": 256, "fp8": 256, "int4 x int8": None}
 
-    rng = np.random.default_rng(limit or 16)
-    if fmt == "fp8":
+
+@needs_native
+@pytest.mark.parametrize("cpu", ["avx512 cpu", "avx2 cpu"])
+@pytest.mark.parametrize("kernel", ["int8", "int4", "fp8", "int4 x int8"])
+def test_quantized_steps_past_the_row_limit_run_xla_without_avx512(monkeypatch, kernel, cpu):
+    """Without AVX-512 built in (a build's linear path, set here as an AVX2 build reports it) a
+    quantized layer gives its native kernel steps of up to the kernel's row limit on this CPU and
+    XLA's dequantize-then-matmul the longer ones (int8, and the int4 x int8 kernel on a CPU with only
+    AVX2: the kernel at every row count); with AVX-512, the kernel at every row count. Both equal
+    numpy's product (the int4 x int8 kernel: llama.cpp's q8_0 x q4_0 scheme)."""
+    from paged_jax.weights import QuantizedLinear
+    from tests.test_native_int4 import q8_0_oracle
+
+    limit = (LIMITS_ON_AN_AVX512_CPU if cpu == "avx512 cpu" else LIMITS_ON_AN_AVX2_CPU)[kernel]
+    rng = np.random.default_rng(len(kernel) + len(cpu))
+    if kernel == "fp8":
         values = jnp.asarray(rng.standard_normal((64, 48)) * 8, dtype=jnp.float8_e4m3fn)
         scale = rng.uniform(0.01, 0.1, (2, 48)).astype(np.float32)
         p = QuantizedLinear(values, jnp.asarray(scale), in_features_=64)
         w = np.asarray(values, np.float64) * np.repeat(scale, 32, axis=0)
+    elif kernel == "int4 x int8":
+        p, w = _quantized(rng, 64, 48, 4, 2)
+        q = np.rint(w / np.repeat(np.asarray(p.scale, np.float64), 32, axis=0)).astype(np.int64)
     else:
-        p, w = _quantized(rng, 64, 48, 8 if fmt == "int8" else 4, 2, zero=True)
-    packed = to_panels({"w": p})["w"]
-    rows = [1, limit or 16, (limit or 16) + 1, 200]
+        p, w = _quantized(rng, 64, 48, 8 if kernel == "int8" else 4, 2, zero=True)
+    packed = to_panels({"w": p}, int4_int8=kernel == "int4 x int8")["w"]
+    assert packed.kernel == kernel
+    target = (native.INT4_TARGET if kernel == "int4 x int8" else native.QUANTIZED_TARGETS[packed.panels.dtype.name])[0]
+    rows = [1, limit or 16, (limit or 16) + 1, 300]
+    monkeypatch.setattr(native.build, "cpu_isa", lambda: ["avx2", "fma"] + ["avx512f"] * (cpu == "avx512 cpu"))
     for isa, kernel_rows in ((1, rows[:2] if limit else rows), (2, rows)):
         monkeypatch.setitem(native._state, "linear_isa", isa)
         for M in rows:
             x = rng.standard_normal((M, 64)).astype(np.float32)
             text = jax.jit(packed.__call__).lower(jnp.asarray(x)).as_text()
-            kernel = native.QUANTIZED_TARGETS[packed.panels.dtype.name][0]
-            assert (kernel in text) == (M in kernel_rows), (isa, M)
-            np.testing.assert_allclose(np.asarray(jax.jit(packed.__call__)(jnp.asarray(x))), x.astype(np.float64) @ w,
-                                       rtol=1e-5, atol=1e-5 * np.sqrt(64))
+            assert (target in text) == (M in kernel_rows), (isa, M)
+            got = np.asarray(jax.jit(packed.__call__)(jnp.asarray(x)))
+            if kernel == "int4 x int8" and M in kernel_rows:
+                want = q8_0_oracle(x, q, np.asarray(p.scale))
+                np.testing.assert_allclose(got, want, rtol=0, atol=1e-6 * np.abs(want).max())
+            else:
+                np.testing.assert_allclose(got, x.astype(np.float64) @ w, rtol=1e-5, atol=1e-5 * np.sqrt(64))
     monkeypatch.setitem(native._state, "linear_isa", 1)
-    assert native.status()["quantized_native_rows"] == {"int8": None, "float8_e4m3fn": 32, "uint8": 64}
+    assert native.status()["quantized_native_rows"] == (LIMITS_ON_AN_AVX512_CPU if cpu == "avx512 cpu" else
+                                                        LIMITS_ON_AN_AVX2_CPU)
+
+
+def test_quantized_native_rows_names_the_kernels():
+    with pytest.raises(ValueError, match="'uint8'.*int4 x int8|int4 x int8.*'uint8'"):
+        native.quantized_native_rows("uint8")
 
 
 def _w8a8(rng, K, N, per_tensor=False):

@@ -148,7 +148,7 @@ def status() -> dict:
     out = dict(_state)
     if out.get("ok"):
         out.update(paths=paths(), traced=sorted(_traced), cpu_isa=cpu_isa(),
-                   quantized_native_rows={d: quantized_native_rows(d) for d in QUANTIZED_NATIVE_ROWS})
+                   quantized_native_rows={k: quantized_native_rows(k) for k in QUANTIZED_NATIVE_ROWS})
     return out
 
 
@@ -180,27 +180,44 @@ def loaded() -> bool:
     return bool(_state.get("ok"))
 
 
-# Rows of x per step up to which the quantized matmuls run the native kernel; past them, XLA
-# dequantizes the same panels to float32 and runs its own matmul, which is then the faster (the
-# dequantizing pass is paid once per step, not per row); None: the native kernel at every row
-# count. By the values' dtype, on builds without AVX-512 (AVX2 tiles or portable loops); with
-# AVX-512 the native kernel was the faster at every row count measured (up to 256). Measured per
-# layer matmul of a LLaMA 512 wide at 1-256 rows on an AMD EPYC with AVX-512 turned off
-# (-mno-avx512f; XLA held to AVX2): fp8 ahead to 32 and even at 64, int4 ahead to 64 and even at
-# 128 (1.2x behind at 192). int8 keeps the kernel at every row count: in the engine's steps XLA's
-# dequantize-then-matmul lost to it at every batch (decode tokens/s with int8 prefills and decode
-# steps all native against XLA's past 16 rows: 1.8x at batch 8, 4.6x at batch 32,
-# experiments/bench_isa_decode.py's model with AVX-512 turned off).
-QUANTIZED_NATIVE_ROWS = {"int8": None, "float8_e4m3fn": 32, "uint8": 64}
+# Rows of x per step up to which each quantized matmul runs its native kernel; past them, XLA
+# dequantizes the same panels to float32 and runs its own matmul (the dequantizing pass paid once a
+# step, not once per row); None: the native kernel at every row count. By kernel: "int8", "int4",
+# "fp8" (the float32 tiles over values turned into float32 on the way) and "int4 x int8" (integer
+# dot products on the nibbles against activations quantized to int8, quantization="int4"). With
+# AVX-512 the native kernels were the faster at every row count measured (up to 256).
+#
+# An AVX-512 CPU running the AVX2 build (-mno-avx512f; XLA held to AVX2) or the portable loops:
+# XLA's float32 dots still run AVX-512 kernels there (YNNPACK picks them at run time), so XLA wins
+# early. Measured per layer matmul of a LLaMA 512 wide at 1-256 rows: fp8 ahead to 32 and even at
+# 64, int4 ahead to 64 and even at 128 (1.2x behind at 192). int8 keeps the kernel at every row
+# count: in the engine's steps XLA's dequantize-then-matmul lost to it at every batch (decode
+# tokens/s with int8 prefills and decode steps all native against XLA's past 16 rows: 1.8x at batch
+# 8, 4.6x at batch 32, experiments/bench_isa_decode.py's model with AVX-512 turned off).
+QUANTIZED_NATIVE_ROWS = {"int8": None, "int4": 64, "fp8": 32, "int4 x int8": 64}
+# A CPU with only AVX2 (2 cores of an AMD EPYC, Zen 3; the layer matmuls of a LLaMA 512 wide, native
+# kernel against XLA's dequantize-then-matmul at 16-1,024 rows, interleaved in one process, two
+# runs): the float32 tiles over int4 / fp8 values 0.98-3.4x XLA's up to 256 rows, 0.88-1.03x past
+# it; the int4 x int8 kernel (vpmaddubsw: 32 multiply-adds an instruction, an FMA's 8) ahead or even
+# at every row count (1.3x at 256, 1.2x at 512, 1.0x at 1,024), and at 0.97-1.37x XLA's float32
+# matmul on float32 weights from 256 rows on.
+QUANTIZED_NATIVE_ROWS_AVX2_CPU = {"int8": None, "int4": 256, "fp8": 256, "int4 x int8": None}
 
 
-def quantized_native_rows(dtype: str):
-    """The most rows of x a step's quantized matmul (panels of ``dtype``: "int8", "uint8" for
-    int4, "float8_e4m3fn") runs through the native kernel, XLA's dequantize-then-dot above; None:
-    the native kernel at every row count (AVX-512 builds, int8 on every build, or before a build)."""
-    if _state.get("linear_isa", 2) == 2:
+def quantized_native_rows(kernel: str):
+    """The most rows of x a step's quantized matmul (``kernel``: "int8", "int4", "fp8" or "int4 x
+    int8", see :data:`QUANTIZED_NATIVE_ROWS`) runs through the native kernel, XLA's
+    dequantize-then-dot above; None: the native kernel at every row count (AVX-512 builds, int8 on
+    every build, or before a build). Builds without AVX-512 take :data:`QUANTIZED_NATIVE_ROWS`, or
+    :data:`QUANTIZED_NATIVE_ROWS_AVX2_CPU` on a CPU that has no AVX-512 either."""
+    if kernel not in QUANTIZED_NATIVE_ROWS:
+        raise ValueError(f"quantized_native_rows: kernel must be one of {list(QUANTIZED_NATIVE_ROWS)}, got {kernel!r}")
+    isa = _state.get("linear_isa", 2)
+    if isa == 2:
         return None
-    return QUANTIZED_NATIVE_ROWS[dtype]
+    if isa == 1 and "avx512f" not in cpu_isa():
+        return QUANTIZED_NATIVE_ROWS_AVX2_CPU[kernel]
+    return QUANTIZED_NATIVE_ROWS[kernel]
 
 
 def packs_weights() -> bool:

@@ -93,7 +93,7 @@ def _kernel_runs(p, x) -> bool:
     if x.dtype != jnp.float32 or jax.default_backend() != "cpu" or not native.loaded():
         return False
     if isinstance(p, PanelQuantizedLinear):
-        limit = native.quantized_native_rows(p.panels.dtype.name)
+        limit = native.quantized_native_rows(p.kernel)
         return limit is None or math.prod(x.shape[:-1]) <= limit
     return True
 

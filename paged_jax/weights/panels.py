@@ -77,6 +77,13 @@ class PanelQuantizedLinear:
     def in_features(self) -> int:
         return self.panels.shape[1] * (8 if self.int8_activations else 2 if self.bits == 4 else 1)
 
+    @property
+    def kernel(self) -> str:
+        """Which native matmul multiplies it (the key of :func:`~paged_jax.native.quantized_native_rows`)."""
+        if self.int8_activations:
+            return "int4 x int8"
+        return {"int8": "int8", "uint8": "int4"}.get(self.panels.dtype.name, "fp8")
+
     def __call__(self, x):
         dtype = x.dtype
         if self.act is not None:  # as QuantizedLinear: the rounded activations, multiplied in float32
@@ -84,7 +91,7 @@ class PanelQuantizedLinear:
         if self.order is not None:
             x = jnp.take(x, self.order, axis=-1)
         # past so many rows (a long prefill chunk) XLA's dequantize-then-matmul is the faster, on some builds
-        limit = native.quantized_native_rows(self.panels.dtype.name)
+        limit = native.quantized_native_rows(self.kernel)
         xla = limit is not None and math.prod(x.shape[:-1]) > limit
         if self.int8_activations:
             y = native.linear_int4(x, self.panels, self.scales, xla=xla)

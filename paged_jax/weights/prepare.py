@@ -42,9 +42,8 @@ def prepare(params, platform: str, *, quantization: Optional[str] = None, tensor
         limits = native.status()["quantized_native_rows"]
         if quantization is not None and any(v is not None for v in limits.values()):
             logger.info("quantized matmuls: the native kernel for steps of up to so many rows (%s), XLA's "
-                        "dequantize-then-matmul above (faster there without AVX-512)",
-                        ", ".join(f"{n}: {limits[d] or 'all'}" for d, n in (("int8", "int8"), ("uint8", "int4"),
-                                                                    ("float8_e4m3fn", "fp8"))))
+                        "dequantize-then-matmul above (faster there on this CPU and build)",
+                        ", ".join(f"{k}: {v or 'all'}" for k, v in limits.items()))
         if quantization is not None and native.paths()["linear quantized"] == "portable":
             # every quantized format measured slower than float32 there (experiments/bench_matmul_isa.py)
             logger.warning("quantization=%r: this CPU's native build has neither AVX-512 nor AVX2 tiles, and the "
