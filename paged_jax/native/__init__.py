@@ -1,6 +1,7 @@
 """Native CPU kernels, built on first use and called through the XLA FFI: ragged paged
 attention (``paged_attention.cc``) and the model's matmuls against panel-packed weights
-(``linear.cc``; W8A8's int8 x int8 in ``linear_int8.cc``).
+(``linear.cc``; quantized weights in ``linear_quantized.cc``, W8A8's int8 x int8 in
+``linear_int8.cc``, 4 bits against int8 activations in ``linear_int4.cc``).
 
 Attention. XLA's CPU backend can only express paged decode attention by gathering every
 sequence's K and V into a temporary and running many tiny batched matmuls: at

@@ -1,6 +1,7 @@
 // The ragged paged-attention kernel's inner loops (paged_attention.cc): the problem's layout, element
 // conversions, dot products, the vectorised exp, the transposed-key score tiles and the weighted values
-// in registers. Included by paged_attention.cc alone; its own anonymous namespace, as panel_tiles.h.
+// in registers. Included by the attention kernel alone (paged_attention.cc, attention_item.h); its own
+// anonymous namespace, as panel_tiles.h.
 #pragma once
 
 #include <algorithm>

@@ -1,6 +1,7 @@
 // Query tiles in registers for the ragged paged-attention kernel (paged_attention.cc): a KV head with
 // many query rows (a prefill chunk, a speculative tile) attends W rows at a time, one per lane. Included
-// by paged_attention.cc alone; its own anonymous namespace, as panel_tiles.h: inlined templates.
+// by the kernel's work item alone (attention_item.h); its own anonymous namespace, as panel_tiles.h:
+// inlined templates.
 #pragma once
 
 #include <vector>

@@ -19,10 +19,10 @@ from paged_jax import envs  # a leaf module: native imports nothing else of page
 
 logger = logging.getLogger("paged_jax")
 
-SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.cc", "linear.cc", "linear_int8.cc", "linear_int4.cc",
-                                                      "grouped_linear.cc")]
+SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.cc", "linear.cc", "linear_quantized.cc",
+                                                      "linear_int8.cc", "linear_int4.cc", "grouped_linear.cc")]
 HEADERS = [Path(__file__).with_name(f) for f in ("parallel.h", "fp8.h", "panel_tiles.h", "attention_loops.h",
-                                                  "attention_tiles.h")]
+                                                  "attention_tiles.h", "attention_item.h")]
 TARGETS = {"float32": ("paged_jax_paged_attention_f32", "PagedAttentionF32"),
            "bfloat16": ("paged_jax_paged_attention_bf16", "PagedAttentionBF16")}
 # float32 queries over an 8-bit KV cache with a float16 scale per token and head (paged_jax.attention.kv_quant),

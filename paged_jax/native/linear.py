@@ -1,4 +1,5 @@
-"""The matmuls against panel-packed weights (``linear.cc``, ``linear_int8.cc``) through the XLA FFI,
+"""The matmuls against panel-packed weights (``linear.cc``, ``linear_quantized.cc``, ``linear_int8.cc``,
+``linear_int4.cc``) through the XLA FFI,
 and the panel layout they read: ``[N / W, K, W]`` column panels, each contiguous, W = 48, 32 or 16.
 Each falls back to XLA's matmul on the unpacked weight where the kernel does not apply (another
 platform or dtype, or the library not loaded)."""
