@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from paged_jax import native
-from paged_jax.weights import DenseLinear, FusedLinear, PanelLinear, fuse_inputs, project
+from paged_jax.weights import DenseLinear, FusedLinear, fuse_inputs, project
 from paged_jax.weights.fused import fusable
 from paged_jax.weights.methods.on_load import quantize_weight
 from paged_jax.weights.panels import to_panels

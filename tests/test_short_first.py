@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from paged_jax.policy import FCFS, ShortFirst, make_policy
 from paged_jax.sequence import SequenceStatus
-from tests.test_latency_target import BS, fixed_model, make
+from tests.test_latency_target import fixed_model, make
 from tests.test_scheduler import advance, group
 
 
@@ -97,7 +97,7 @@ def test_a_long_prompt_behind_a_stream_of_short_ones_still_progresses_by_aging()
         arrivals = {0: [group("long", 1000, max_tokens=1, arrival=0)]}
         for t in range(1, 200):  # each 128 tokens: the whole budget
             arrivals[t] = [group(f"s{t}", 128, max_tokens=1, arrival=t)]
-        progress, step, computed, gaps, last = {}, 0, 0, [], 0
+        progress, step, gaps, last = {}, 0, [], 0
         while s.has_unfinished_seqs() or step in arrivals:
             for g in arrivals.get(step, []):
                 s.add_seq_group(g)

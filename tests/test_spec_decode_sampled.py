@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 
 import numpy as np
-import pytest
 from scipy import stats
 
 from paged_jax import LLM, SamplingParams
@@ -171,27 +170,4 @@ def test_the_target_as_its_own_sampled_draft_has_every_draft_accepted(tiny_llama
     engine.block_manager.reset_prefix_cache()
     bm = engine.block_manager.gpu_allocator
     assert bm.num_free_blocks == bm.num_total_blocks
-
-
-def loop_drafts(seeds: range) -> tuple[np.ndarray, np.ndarray]:
-    """Each seed's K drafts drawn by the jitted draft loop (one call, a row per seed) over a stand-in
-    step whose logits at draft j's position are DRAFT_LOGITS[j], and the q the loop returns:
-    int[rows, K], float[rows, K, V]."""
-    import jax.numpy as jnp
-
-    from paged_jax.executor.decode_loop import loop_batch, loop_draws, make_decode_loop
-    from paged_jax.executor.model_runner import StepOutput
-
-    start = len(PROMPT) + len(OUTPUT) - 1  # the pending token's position: step j gives draft j
-    table = jnp.asarray(np.concatenate([DRAFT_LOGITS, np.zeros((1, V), np.float32)]))
-
-    def step(params, kv, batch, all_logits):
-        return StepOutput(table[jnp.clip(batch.positions - start, 0, K)]), kv
-
-    n = len(seeds)
-    batch, limits = loop_batch([OUTPUT[-1]] * n, [start] * n, [[1, 2]] * n, [K + 1] * n, block_size=4)
-    u = np.array([[position_rng(s, len(OUTPUT) + j, DRAFT, None).random() for s in seeds] for j in range(K + 1)])
-    draws = loop_draws([(PARAMS, s, PROMPT, OUTPUT) for s in seeds], batch.block_tables.shape[0], K + 1, V, u)
-    tokens, _, q, _ = make_decode_loop(step, 4, K + 1, V)(None, jnp.zeros(1), batch, limits, draws)
-    return np.asarray(tokens)[:K, :n].T, np.asarray(q)[:K, :n].transpose(1, 0, 2)
 
