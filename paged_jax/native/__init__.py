@@ -45,14 +45,14 @@ weights, jnp decode attention). ``PAGED_JAX_NATIVE=0`` turns the kernels off.
 
 from paged_jax.native.attention import paged_attention, paged_decode
 from paged_jax.native.build import (CPU_ISA, INT4_TARGET, INT8_TARGET, KERNELS, LINEAR_TARGET, PANEL_WIDTHS, QUANTIZED_ATTENTION_TARGETS,
-                                    QUANTIZED_NATIVE_ROWS, QUANTIZED_TARGETS, SUM_TARGET, TARGETS, available, cpu_isa,
+                                    QUANTIZED_KERNELS, QUANTIZED_NATIVE_ROWS, QUANTIZED_TARGETS, SUM_TARGET, TARGETS, available, cpu_isa,
                                     loaded, packs_weights, paths, quantized_native_rows, status)
 from paged_jax.native.build import _state  # noqa: F401  (the build's record; tests read it)
 from paged_jax.native.linear import (linear, linear_int4, linear_int8, linear_quantized, pack_int4_blocks, pack_padded,
                                      pack_weight, panel_width, read_sum, unpack_int4_blocks, unpack_weight)
 
 __all__ = ["available", "loaded", "status", "paths", "cpu_isa", "paged_attention", "paged_decode", "packs_weights",
-           "quantized_native_rows", "QUANTIZED_NATIVE_ROWS",
+           "quantized_native_rows", "QUANTIZED_NATIVE_ROWS", "QUANTIZED_KERNELS",
            "panel_width", "pack_weight", "unpack_weight", "pack_padded", "linear", "linear_quantized", "linear_int8",
            "linear_int4", "pack_int4_blocks", "unpack_int4_blocks", "INT4_TARGET",
            "read_sum", "CPU_ISA", "KERNELS", "TARGETS", "QUANTIZED_ATTENTION_TARGETS", "LINEAR_TARGET", "SUM_TARGET",

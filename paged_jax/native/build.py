@@ -34,6 +34,8 @@ SUM_TARGET = ("paged_jax_sum_f32", "SumF32")
 # quantized weights against float32 activations, by the panels' dtype (uint8: int4, two to a byte)
 QUANTIZED_TARGETS = {"int8": ("paged_jax_linear_q8", "LinearQ8F32"), "uint8": ("paged_jax_linear_q4", "LinearQ4F32"),
                      "float8_e4m3fn": ("paged_jax_linear_fp8", "LinearFp8F32")}
+# those kernels' names (in quantized_native_rows and the traced paths' "linear <name>"), by the same dtype
+QUANTIZED_KERNELS = {"int8": "int8", "uint8": "int4", "float8_e4m3fn": "fp8"}
 INT8_TARGET = ("paged_jax_linear_i8i8", "LinearI8I8")  # W8A8: int8 activations x int8 weights
 GROUPED_TARGET = ("paged_jax_grouped_linear_f32", "GroupedLinearF32")  # a mixture's experts, rows sorted by expert
 # symmetric int4 weights x float32 activations quantized to int8 per block of 32 in the kernel (q4_0 x q8_0)
@@ -212,12 +214,15 @@ def quantized_native_rows(kernel: str):
     :data:`QUANTIZED_NATIVE_ROWS_AVX2_CPU` on a CPU that has no AVX-512 either."""
     if kernel not in QUANTIZED_NATIVE_ROWS:
         raise ValueError(f"quantized_native_rows: kernel must be one of {list(QUANTIZED_NATIVE_ROWS)}, got {kernel!r}")
-    isa = _state.get("linear_isa", 2)
-    if isa == 2:
+    if _state.get("linear_isa", 2) == 2:
         return None
-    if isa == 1 and "avx512f" not in cpu_isa():
-        return QUANTIZED_NATIVE_ROWS_AVX2_CPU[kernel]
-    return QUANTIZED_NATIVE_ROWS[kernel]
+    return (QUANTIZED_NATIVE_ROWS_AVX2_CPU if _avx2_build_on_an_avx2_cpu() else QUANTIZED_NATIVE_ROWS)[kernel]
+
+
+def _avx2_build_on_an_avx2_cpu() -> bool:
+    """Whether the matmuls were built with their AVX2 tiles on a CPU without AVX-512 (where XLA's
+    float32 dots have no AVX-512 kernels to run either)."""
+    return _state.get("linear_isa") == 1 and "avx512f" not in cpu_isa()
 
 
 def packs_weights() -> bool:
@@ -233,5 +238,4 @@ def packs_weights() -> bool:
     Quantized weights are packed wherever the kernels are built."""
     if not available():  # first: it loads the library, which sets the matmul's instruction set
         return False
-    isa = _state.get("linear_isa", 0)
-    return isa == 2 or (isa == 1 and "avx512f" not in cpu_isa())
+    return _state.get("linear_isa", 0) == 2 or _avx2_build_on_an_avx2_cpu()

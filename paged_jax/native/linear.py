@@ -86,7 +86,7 @@ def linear_quantized(x, panels, scale_panels, bits: int, zero_panels=None, *, xl
         zero_panels = jnp.zeros((P, 0, W), jnp.float32)
     lead = x.shape[:-1]
     x2 = x.reshape(math.prod(lead), K)
-    build.trace({"int8": "linear int8", "uint8": "linear int4"}.get(panels.dtype.name, "linear fp8"))
+    build.trace(f"linear {build.QUANTIZED_KERNELS[panels.dtype.name]}")
     y = jax.ffi.ffi_call(build.QUANTIZED_TARGETS[panels.dtype.name][0],
                          jax.ShapeDtypeStruct((x2.shape[0], P * W), jnp.float32))(x2, panels, scale_panels, zero_panels)
     return y.reshape(*lead, P * W)

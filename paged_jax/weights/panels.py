@@ -80,9 +80,7 @@ class PanelQuantizedLinear:
     @property
     def kernel(self) -> str:
         """Which native matmul multiplies it (the key of :func:`~paged_jax.native.quantized_native_rows`)."""
-        if self.int8_activations:
-            return "int4 x int8"
-        return {"int8": "int8", "uint8": "int4"}.get(self.panels.dtype.name, "fp8")
+        return "int4 x int8" if self.int8_activations else native.QUANTIZED_KERNELS[self.panels.dtype.name]
 
     def __call__(self, x):
         dtype = x.dtype
