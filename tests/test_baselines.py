@@ -13,6 +13,7 @@ from paged_jax.scheduler import Scheduler, SchedulerConfig
 from paged_jax.utils import pow2_bucket
 from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
 from tests.test_scheduler import advance
+from tests.slow_cases import slow_unless
 
 _ids = iter(range(10**9))
 BS = 4
@@ -144,7 +145,8 @@ def test_reservation_rounding_is_the_next_power_of_two():
 
 
 @pytest.mark.parametrize("system", ["vllm", "orca-max", "orca-pow2", "orca-oracle", "ft"])
-@pytest.mark.parametrize("preemption_mode", ["recompute", "swap"])
+# swap for the baselines (which reserve and never preempt) repeats recompute's run: -m slow
+@pytest.mark.parametrize("preemption_mode", slow_unless(["recompute", "swap"], {"recompute"}))
 def test_every_policy_keeps_the_block_manager_sound_under_load(system, preemption_mode):
     """A loaded trace (preemptions for the paged policy) through the real engine: invariants after
     every iteration, reservations only for the baselines, every request served."""

@@ -39,7 +39,8 @@ def _hf_beams(model, prompt, width, early_stopping, length_penalty, eos_ids):
     return beams
 
 
-@pytest.fixture(scope="module", params=["llama_gqa", "opt_pre", "mistral_window"])  # the last frees blocks
+# opt_pre (learned positions, another family) runs with -m slow; mistral_window frees blocks
+@pytest.fixture(scope="module", params=["llama_gqa", pytest.param("opt_pre", marks=pytest.mark.slow), "mistral_window"])
 def case(request, hf_model_dir):
     path = hf_model_dir(request.param)
     hf = load_hf(path)

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from paged_jax import LLM, SamplingParams
 from paged_jax.models.tiny import default_model_path
 
@@ -71,6 +73,8 @@ def test_default_model_perplexity_equals_transformers_and_stays_near_its_measure
     assert 20.146 * 0.85 < ppl < 20.146 * 1.15, ppl
 
 
+# trains for 18 s: -m slow; the bundled folder's agreement with transformers is checked above
+@pytest.mark.slow
 def test_training_script_writes_a_folder_the_engine_and_transformers_agree_on(tmp_path):
     out = tmp_path / "model"
     cmd = [sys.executable, str(ROOT / "experiments" / "train_default_model.py"), "--out", str(out), "--steps", "3",

@@ -73,7 +73,7 @@ def test_greedy_under_preemption_matches_hf(hf_model_dir, mode):
     assert_all_free(llm)
 
 
-@pytest.mark.parametrize("block_size", [1, 8, 16, 32])
+@pytest.mark.parametrize("block_size", [1, pytest.param(8, marks=pytest.mark.slow), 16, pytest.param(32, marks=pytest.mark.slow)])
 def test_greedy_independent_of_block_size(hf_model_dir, block_size):
     path = hf_model_dir("llama_gqa")
     prompts = make_prompts(512)

@@ -58,6 +58,8 @@ def _start(model, cache: Path, **env):
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+# 30 s (a second interpreter compiles nothing): -m slow; the tests above load, key and evict entries in this one
+@pytest.mark.slow
 def test_second_process_loads_the_steps_and_traces_none(tiny_llama_dir, tmp_path):
     from paged_jax import native
 

@@ -14,6 +14,7 @@ from paged_jax.weights import DenseLinear, FusedLinear, fuse_inputs, project
 from paged_jax.weights.fused import fusable
 from paged_jax.weights.methods.on_load import quantize_weight
 from paged_jax.weights.panels import to_panels
+from tests.slow_cases import slow_unless
 
 needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernels not built: {native.status()}")
 
@@ -32,7 +33,7 @@ def _layer(rng, method, K=128, sizes=(96, 48, 40), bias=True):
 
 @needs_native
 @pytest.mark.parametrize("method", FORMATS)
-@pytest.mark.parametrize("M", [1, 9])
+@pytest.mark.parametrize("M", slow_unless([1, 9], {9}))  # 9 rows: the panels' remainder rows too
 def test_fused_panels_give_each_part_bitwise(method, M):
     rng = np.random.default_rng(M)
     parts = _layer(rng, method)

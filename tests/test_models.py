@@ -10,6 +10,7 @@ from paged_jax.models import FAMILIES
 from paged_jax.models.loader import load_model
 from tests.hf_models import HF_VARIANTS, load_hf
 from tests.model_helpers import PagedRunner
+from tests.slow_cases import slow_unless
 
 PROMPT_LENS = [1, 3, 5, 8, 13, 17, 24, 31]
 
@@ -21,12 +22,23 @@ LONG_VARIANTS = {"opt_long", "gpt2_long", "llama_long_llama3"}
 VARIANTS = [pytest.param(v, marks=pytest.mark.slow) if v in LONG_VARIANTS else v for v in sorted(HF_VARIANTS)]
 
 
+# In the default suite: every attention kind (GQA, window, soft cap, qk-norm) and RoPE scaling
+# (llama3, yarn, longrope; dynamic in tests/test_rope_dynamic.py) once; the other variants repeat a
+# family's code with another config (tied or untied, pre or post norm) and run with -m slow.
+LOGITS_VARIANTS = slow_unless(VARIANTS, {"llama_gqa", "gemma2", "mistral_window", "qwen3_window", "phi3_longrope",
+                                         "opt_pre", "llama_yarn", "llama_tied_scaled"})
+# 32 greedy tokens: the decode steps over paged blocks, once per attention kind
+GREEDY_VARIANTS = slow_unless(VARIANTS, {"llama_gqa", "gemma2", "qwen3_window", "opt_pre"})
+# The families of no variant above keep their tiny model's check against transformers in the default suite
+TINY_FAMILIES = slow_unless(sorted(FAMILIES), {"gemma3", "gpt2", "gpt_oss", "mixtral", "qwen2", "qwen2_moe", "qwen3_moe"})
+
+
 def prompts_for(vocab, lens=PROMPT_LENS, seed=1):
     rng = np.random.default_rng(seed)
     return [list(rng.integers(3, vocab, size=n)) for n in lens]
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", LOGITS_VARIANTS)
 def test_prefill_logits_match_hf(hf_model_dir, variant):
     path = hf_model_dir(variant)
     config, params = load_model(path, dtype="float32")
@@ -39,7 +51,7 @@ def test_prefill_logits_match_hf(hf_model_dir, variant):
         np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("variant", GREEDY_VARIANTS)
 def test_greedy_32_tokens_match_hf_generate(hf_model_dir, variant):
     path = hf_model_dir(variant)
     config, params = load_model(path, dtype="float32")
@@ -55,7 +67,7 @@ def test_greedy_32_tokens_match_hf_generate(hf_model_dir, variant):
         assert got == out[0, len(p):].tolist()
 
 
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("family", TINY_FAMILIES)
 def test_tiny_model_of_every_family_loads_in_hf_and_matches(family, tmp_path):
     """Each registered family's make-tiny defaults (its file's ``tiny_config``; the torch-free
     writer) give a folder transformers reads as the same model."""

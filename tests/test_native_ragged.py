@@ -17,6 +17,7 @@ from paged_jax.attention import kv_quant
 from tests.native_paths import PORTABLE_FLAGS, native_paths_report, run_build  # noqa: F401 (autouse: the report)
 from tests.attention_oracle import numpy_attention
 from tests.test_kv_quant_kernels import numpy_dequantize
+from tests.slow_cases import slow_unless
 
 pytestmark = pytest.mark.skipif(not native.available(), reason=f"native kernel not built: {native.status()}")
 
@@ -107,7 +108,7 @@ def window_cap_case(H, KVH, D, block_size, window, cap):
     return (q, k, v, tables, lens, starts, qlens, 0.3, window, cap), want
 
 
-@pytest.mark.parametrize("H,KVH,D,block_size", SHAPES)
+@pytest.mark.parametrize("H,KVH,D,block_size", slow_unless(SHAPES, {8}))  # 8 and 2 KV heads; 1 and 3: -m slow
 @pytest.mark.parametrize("cache", ["float32", "int8"])
 def test_a_row_costing_most_of_the_step_is_split_by_heads(H, KVH, D, block_size, cache):
     """A one-block chunk late in a long context beside short decodes, then a lone decode over a long

@@ -20,6 +20,7 @@ from pallas_kernels import cuda_lowering
 from pallas_kernels.backend import PALLAS, PALLAS_INTERPRET, _auto_partition
 from pallas_kernels.paged_attention import paged_decode_attention
 from pallas_kernels.prefill_attention import paged_prefill_attention
+from tests.slow_cases import slow_unless
 
 GARBAGE = 1e4  # stale values in unused blocks and slots (finite; fits float16)
 TOL = {"float32": 1e-5, "bfloat16": 2e-2, "float16": 2e-2}
@@ -94,7 +95,9 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("partition_size", [None, 16], ids=["single", "split16"])
+# the partitioned decode of every shape: -m slow (by default in test_decode_half_precision and the variants')
+@pytest.mark.parametrize("partition_size", slow_unless([pytest.param(None, id="single"), pytest.param(16, id="split16")],
+                                                       {None}))
 @pytest.mark.parametrize("name,lens,H,KVH,D,block_size,max_blocks,num_blocks", CASES, ids=[c[0] for c in CASES])
 def test_decode_float32_matches_reference(name, lens, H, KVH, D, block_size, max_blocks, num_blocks, partition_size):
     if partition_size is not None and partition_size % block_size:

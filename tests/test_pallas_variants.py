@@ -17,6 +17,7 @@ from pallas_kernels.backend import PALLAS_INTERPRET
 from pallas_kernels.paged_attention import paged_decode_attention
 from pallas_kernels.prefill_attention import paged_prefill_attention
 from tests.test_pallas_kernels import TOL, make_case, run_backend
+from tests.slow_cases import slow_unless
 
 
 def reference(q, k, v, tables, lens, qlens, scale, window, cap):
@@ -45,8 +46,9 @@ def prefill_kernel(window, cap):
 VARIANTS = [(1, None), (5, None), (20, None), (None, 0.5), (12, 2.0), (1000, 3.0)]
 
 
+# windows of 5 and 1,000 (soft-capped): -m slow; 1 and 20 cover a window within and across blocks
 @pytest.mark.parametrize("partition_size", [None, 16], ids=["single", "split16"])
-@pytest.mark.parametrize("window,cap", VARIANTS)
+@pytest.mark.parametrize("window,cap", slow_unless(VARIANTS, {1, 20, None, 12}))
 def test_decode_window_and_soft_cap_match_reference(window, cap, partition_size):
     lens = [1, 7, 8, 29, 48, 0]  # one token, mid-block, on a block boundary, the maximum, a padded row
     q, k, v, tables, lens = make_case(sum(lens) + (window or 0), lens=lens, H=4, KVH=2, D=16, block_size=8,
@@ -75,6 +77,8 @@ def test_prefill_window_and_soft_cap_match_reference(window, cap):
         np.testing.assert_allclose(got[s, :n], want[s, :n], atol=1e-5, rtol=1e-5, err_msg=f"seq {s}")
 
 
+# a 19-s random sweep: -m slow; the fixed cases above cover every variant by default
+@pytest.mark.slow
 def test_random_shapes_lengths_and_variants():
     """A seeded sweep: random shapes, lengths, tables, windows and caps, both kernels, three dtypes."""
     rng = np.random.default_rng(3)

@@ -84,6 +84,8 @@ def test_cost_model_rooflines():
     assert per_token[0] > per_token[1] > per_token[2]
 
 
+# 15 s of simulated load: -m slow; test_paged_sustains_more_than_the_baselines runs the same systems by default
+@pytest.mark.slow
 def test_orca_and_paged_memory_breakdown():
     reqs = make_trace("sharegpt", 5.0, 250, seed=1)  # overloaded: memory is the limit
     shares = {}

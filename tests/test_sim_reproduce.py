@@ -39,6 +39,8 @@ def test_bad_arguments():
         reproduce.main(["--jobs", "0"])
 
 
+# 11 s: -m slow (test_reproduce_one_figure_writes_png_csv_and_headlines runs a figure by default)
+@pytest.mark.slow
 def test_fig14_ratios_come_from_the_matching_capacity_runs(tmp_path, monkeypatch):
     from experiments import fig_serving, fig_sharing
 
@@ -56,6 +58,8 @@ def test_fig14_ratios_come_from_the_matching_capacity_runs(tmp_path, monkeypatch
         assert heads[f"OPT-13B Alpaca {label}: sustainable rate vs Orca(Oracle)"] == pytest.approx(expect, rel=1e-3)
 
 
+# 13 s: -m slow (the 8-bit cache's slots are counted in tests/test_kv_quant.py by default)
+@pytest.mark.slow
 def test_an_8bit_kv_cache_doubles_the_slots_and_raises_the_sustainable_rate(tmp_path, monkeypatch):
     """Beyond the paper: the same memory holds (2 * 128 bytes) / (128 + 2) times the tokens of OPT-13B's
     16-bit cache, and the real scheduler fits more ShareGPT requests in it."""

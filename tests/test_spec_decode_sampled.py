@@ -10,6 +10,7 @@ from __future__ import annotations
 import functools
 
 import numpy as np
+import pytest
 from scipy import stats
 
 from paged_jax import LLM, SamplingParams
@@ -144,6 +145,8 @@ def test_seeded_draws_are_reproducible_and_differ_by_seed():
     assert len({tuple(t) for t in emitted(drafts, q)}) > 5
 
 
+# 19 s: -m slow; the acceptance rule's distribution is checked by default above
+@pytest.mark.slow
 def test_the_target_as_its_own_sampled_draft_has_every_draft_accepted(tiny_llama_dir):
     """q equals p when the draft is the target (the same processing of the same logits on both
     sides): every sampled draft is accepted. Seeded requests give the same tokens run again, with
