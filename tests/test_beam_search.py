@@ -12,6 +12,7 @@ from paged_jax import LLM, SamplingParams
 from paged_jax.sequence import SequenceStatus
 from tests.hf_models import load_hf
 from tests.test_engine import assert_all_free
+from tests.slow_cases import slow_unless
 
 MAX_NEW = 10
 SETTINGS = [(2, False, 1.0), (2, True, 0.5), (4, "never", 1.5), (4, False, -0.5), (4, True, 1.0), (2, "never", 1.0)]
@@ -40,7 +41,7 @@ def _hf_beams(model, prompt, width, early_stopping, length_penalty, eos_ids):
 
 
 # opt_pre (learned positions, another family) runs with -m slow; mistral_window frees blocks
-@pytest.fixture(scope="module", params=["llama_gqa", pytest.param("opt_pre", marks=pytest.mark.slow), "mistral_window"])
+@pytest.fixture(scope="module", params=slow_unless(["llama_gqa", "opt_pre", "mistral_window"], {"llama_gqa", "mistral_window"}))
 def case(request, hf_model_dir):
     path = hf_model_dir(request.param)
     hf = load_hf(path)

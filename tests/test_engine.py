@@ -8,6 +8,7 @@ import torch
 
 from paged_jax import LLM, SamplingParams
 from tests.hf_models import load_hf
+from tests.slow_cases import slow_unless
 
 NUM_PROMPTS = 32
 MAX_TOKENS = 24
@@ -73,7 +74,7 @@ def test_greedy_under_preemption_matches_hf(hf_model_dir, mode):
     assert_all_free(llm)
 
 
-@pytest.mark.parametrize("block_size", [1, pytest.param(8, marks=pytest.mark.slow), 16, pytest.param(32, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("block_size", slow_unless([1, 8, 16, 32], {1, 16}))  # 8 and 32: -m slow
 def test_greedy_independent_of_block_size(hf_model_dir, block_size):
     path = hf_model_dir("llama_gqa")
     prompts = make_prompts(512)

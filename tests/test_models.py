@@ -15,20 +15,16 @@ from tests.slow_cases import slow_unless
 PROMPT_LENS = [1, 3, 5, 8, 13, 17, 24, 31]
 
 
-# The long-prompt variants run the code of opt_pre, gpt2 and llama_tied_scaled (llama3 RoPE) with room
-# for 4,096 positions, which short prompts do not reach: here they are in -m slow (their long prompts
-# against transformers: tests/test_long_prompts.py).
-LONG_VARIANTS = {"opt_long", "gpt2_long", "llama_long_llama3"}
-VARIANTS = [pytest.param(v, marks=pytest.mark.slow) if v in LONG_VARIANTS else v for v in sorted(HF_VARIANTS)]
-
-
 # In the default suite: every attention kind (GQA, window, soft cap, qk-norm) and RoPE scaling
 # (llama3, yarn, longrope; dynamic in tests/test_rope_dynamic.py) once; the other variants repeat a
-# family's code with another config (tied or untied, pre or post norm) and run with -m slow.
-LOGITS_VARIANTS = slow_unless(VARIANTS, {"llama_gqa", "gemma2", "mistral_window", "qwen3_window", "phi3_longrope",
+# family's code with another config (tied or untied, pre or post norm) and run with -m slow. So do the
+# long-prompt variants (opt_long, gpt2_long, llama_long_llama3: the code of opt_pre, gpt2 and
+# llama_tied_scaled with room for 4,096 positions, which short prompts do not reach; their long prompts
+# against transformers: tests/test_long_prompts.py).
+LOGITS_VARIANTS = slow_unless(sorted(HF_VARIANTS), {"llama_gqa", "gemma2", "mistral_window", "qwen3_window", "phi3_longrope",
                                          "opt_pre", "llama_yarn", "llama_tied_scaled"})
 # 32 greedy tokens: the decode steps over paged blocks, once per attention kind
-GREEDY_VARIANTS = slow_unless(VARIANTS, {"llama_gqa", "gemma2", "qwen3_window", "opt_pre"})
+GREEDY_VARIANTS = slow_unless(sorted(HF_VARIANTS), {"llama_gqa", "gemma2", "qwen3_window", "opt_pre"})
 # The families of no variant above keep their tiny model's check against transformers in the default suite
 TINY_FAMILIES = slow_unless(sorted(FAMILIES), {"gemma3", "gpt2", "gpt_oss", "mixtral", "qwen2", "qwen2_moe", "qwen3_moe"})
 
