@@ -2,6 +2,7 @@
 
     python experiments/bench_attention_step.py [--heads 8] [--kv-heads 8] [--head-dim 64] [--repeats 5]
                                                [--block-chunk-contexts 4000 16000] [--backends native ...]
+                                               [--decode-batch 48] [--decode-contexts 150]
 
 Steps, each through ``paged_attention_layer`` (the cache write included, the caches donated as the
 engine's step donates them), jitted, the best of ``--repeats`` timings of 10 calls kept:
@@ -12,6 +13,10 @@ engine's step donates them), jitted, the best of ``--repeats`` timings of 10 cal
   as a long prompt's late chunk runs under chunked prefill;
 - *one block at N*: 16 decodes (contexts of 300) beside a one-block chunk ending at an N-token
   context (``--block-chunk-contexts``): a latency target's smallest whole-block chunk late in a long prompt;
+- *B decodes at N*: a decode step alone, ``--decode-batch`` rows each over an N-token context
+  (``--decode-contexts``, default 150: the 48 requests of ``bench_llamacpp.py`` halfway through their
+  output), as continuous batching's decode steps run: its K/V GB/s against the machine's read
+  bandwidth (``experiments/roofline.py``) says how far the decode is from the memory's floor;
 - *Q queries at N*: the same with a chunk of Q tokens (``--few-queries``, default 4): a chunk the target
   cuts below a block when not even a block fits (fewer queries than the kernel's register tiles hold).
 
@@ -43,7 +48,12 @@ def main(argv=None):
     ap.add_argument("--few-queries", type=int, nargs="*", default=[4],
                     help="also 16 decodes beside a chunk of this many tokens at each of those contexts")
     ap.add_argument("--backends", nargs="+", default=["native", "tiles", "reference"])
+    ap.add_argument("--decode-batch", type=int, default=48, help="rows of the decode-only steps")
+    ap.add_argument("--decode-contexts", type=int, nargs="*", default=[150],
+                    help="a decode-only step of --decode-batch rows at each of these contexts")
     a = ap.parse_args(argv)
+    if a.decode_batch < 1 or any(c < 1 for c in a.decode_contexts):
+        ap.error(f"--decode-batch and --decode-contexts must be >= 1, got {a.decode_batch} and {a.decode_contexts}")
 
     import jax
     import jax.numpy as jnp
@@ -80,6 +90,8 @@ def main(argv=None):
 
     steps = {"short prompts": [(60, 60), (70, 70), (64, 64), (62, 62)],
              "long chunk": [(1, 41)] * 16 + [(240, 4000)]}
+    for ctx in a.decode_contexts:  # continuous batching's decode step
+        steps[f"{a.decode_batch} decodes at {ctx:,}"] = [(1, ctx)] * a.decode_batch
     for ctx in a.block_chunk_contexts:  # a latency target's smallest chunk late in a long prompt
         steps[f"one block at {ctx:,}"] = [(1, 300)] * 16 + [(bs, ctx)]
         for n in a.few_queries:

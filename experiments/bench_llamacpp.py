@@ -3,6 +3,8 @@
 
     python experiments/bench_llamacpp.py [--rounds 3] [--isa native|avx2] [--llama-threads 2] [--cache DIR]
                                          [--batch-1-only] [--num-scheduler-steps 1 8] [--temperature 0]
+                                         [--formats float32 8-bit 4-bit] [--cache-type-kv f16|f32]
+                                         [--max-num-batched-tokens N]
 
 llama.cpp's tools are built once from the llama-cpp-python source distribution on PyPI
 (``pip download --no-binary``; CMake, ``-DGGML_NATIVE=ON``, only llama-bench, llama-server and
@@ -30,6 +32,14 @@ paged-jax runs once per ``--num-scheduler-steps`` value (default 1 and 8: one de
 step, and multi-step decoding, ``paged_jax.multi_step``), each its own column. ``--temperature T`` > 0:
 paged-jax samples (unseeded, no top-k / top-p) and so do llama-server's requests (``top_k`` 0); llama-bench
 samples nothing, so the batch-1 table then sets paged-jax's sampled decode against llama.cpp's bare one.
+
+llama.cpp keeps its KV cache in float16 unless told otherwise, paged-jax in the model's float32:
+``--cache-type-kv f32`` gives llama-server a float32 cache (``-ctk f32 -ctv f32``), the like-for-like
+float32 comparison of the 48 requests (default ``f16``: llama.cpp as a user runs it; llama-bench takes no
+f32 cache, and at its 88-token context the cache is 3 % of the bytes a token reads). ``--max-num-batched-tokens
+N`` sets paged-jax's token budget per step (default: the engine's, ``max(max_num_seqs, 256)`` with chunked
+prefill; llama-server's own default is a 2,048-token batch in micro-batches of 512). ``--formats`` runs a
+subset of the three formats.
 
 Each of ``--rounds`` rounds runs every format on both engines in turn; the best round of each is
 kept (and llama.cpp's best of ``--llama-threads``: on a machine shared with other work, its two
@@ -135,11 +145,12 @@ def post(url: str, body: dict, timeout: float = 600) -> dict:
 
 
 def llama_server(bin_dir: Path, gguf: Path, prompts: list, port: int, threads: int,
-                 temperature: float = 0.0) -> tuple[float, list]:
+                 temperature: float = 0.0, cache_type: str = "f16") -> tuple[float, list]:
     """llama-server's output tokens/s for the requests all sent at once, and their tokens."""
     ctx = REQUESTS * (LENS[1] + OUT_LEN + 8)
     proc = subprocess.Popen([str(bin_dir / "llama-server"), "-m", str(gguf), "-np", str(REQUESTS), "-cb", "-c",
-                             str(ctx), "-t", str(threads), "--port", str(port), "--no-webui"],
+                             str(ctx), "-t", str(threads), "-ctk", cache_type, "-ctv", cache_type, "--port", str(port),
+                             "--no-webui"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -223,10 +234,16 @@ def main(argv=None):
                     help="paged-jax's decode steps per engine step, a column each (default: 1 and 8)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="> 0: paged-jax and llama-server sample (default 0: greedy)")
+    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    ap.add_argument("--cache-type-kv", default="f16", choices=["f16", "f32"],
+                    help="llama-server's KV cache type (default f16, its own default; f32: as paged-jax's float32 cache)")
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None,
+                    help="paged-jax's token budget per step (default: the engine's)")
     a = ap.parse_args(argv)
     if a.temperature < 0:
         ap.error(f"--temperature must be >= 0, got {a.temperature}")
-    temp = a.temperature
+    temp, ctype = a.temperature, a.cache_type_kv
+    formats = {n: FORMATS[n] for n in FORMATS if n in a.formats}
     if a.isa == "avx2" and os.environ.get("PAGED_JAX_NATIVE_FLAGS") is None:  # hold paged-jax to AVX2 too: re-run
         env = dict(os.environ, PAGED_JAX_NATIVE_FLAGS="-mno-avx512f",
                    XLA_FLAGS=" ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_cpu_max_isa=AVX2"])))
@@ -248,10 +265,11 @@ def main(argv=None):
         prompts = [rng.integers(3, vocab, int(n)).tolist() for n in rng.integers(LENS[0], LENS[1] + 1, REQUESTS)]
         blocks = REQUESTS * ((LENS[1] + OUT_LEN) // 16 + 2)
         engines, steps = {}, a.num_scheduler_steps
-        for name, (_, q) in FORMATS.items():
+        for name, (_, q) in formats.items():
             for k in steps:
                 engines[name, k] = LLM(str(model), quantization=q, max_model_len=512, num_kv_blocks=blocks,
-                                       max_num_seqs=REQUESTS, num_scheduler_steps=k)
+                                       max_num_seqs=REQUESTS, num_scheduler_steps=k,
+                                       max_num_batched_tokens=a.max_num_batched_tokens)
                 paged_jax_decode(engines[name, k], prompt, temp)  # compiles what the cells reach
                 if not a.batch_1_only:
                     paged_jax_batch(engines[name, k], prompts, temp)
@@ -259,9 +277,10 @@ def main(argv=None):
         tokens: dict = {}
         loads = [os.getloadavg()[0]]  # the machine's 1-minute load average, before and after each round
         for r in range(a.rounds):
-            for name, (fmt, _) in FORMATS.items():
+            for name, (fmt, _) in formats.items():
                 cells = {("llama.cpp", "decode"): lambda: llama_bench(bin_dir, ggufs[fmt], a.llama_threads),
-                         ("llama.cpp", "batch"): lambda: max((llama_server(bin_dir, ggufs[fmt], prompts, a.port, t, temp)
+                         ("llama.cpp", "batch"): lambda: max((llama_server(bin_dir, ggufs[fmt], prompts, a.port, t, temp,
+                                                                           ctype)
                                                               for t in a.llama_threads), key=lambda o: o[0])}
                 for k in steps:
                     cells[f"paged-jax k={k}", "decode"] = lambda k=k: paged_jax_decode(engines[name, k], prompt, temp)
@@ -284,13 +303,15 @@ def main(argv=None):
           f"native kernels {paths or 'not built'}"
           + (f", PAGED_JAX_NATIVE_FLAGS={os.environ.get('PAGED_JAX_NATIVE_FLAGS')}" if a.isa == "avx2" else ""))
     print(f"best of {a.rounds} alternating rounds; 1-minute load average {min(loads):.1f}-{max(loads):.1f} "
-          f"(before and after each round)" + (f"; temperature {temp} (llama-bench: no sampling)" if temp else "") + "\n")
+          f"(before and after each round)" + (f"; temperature {temp} (llama-bench: no sampling)" if temp else "")
+          + f"; llama-server's KV cache {ctype} (llama-bench's f16), paged-jax's float32; paged-jax's token budget "
+          + (str(a.max_num_batched_tokens) if a.max_num_batched_tokens else "the engine's default") + "\n")
     t = "/".join(map(str, a.llama_threads))
     ours = "".join(f" paged-jax, num_scheduler_steps={k} | over it |" for k in steps)
     rule = "|---|---:|" + "---:|---:|" * len(steps)
     print(f"| batch-1 decode, {PROMPT}-token context, tokens/s | llama.cpp (llama-bench -t {t}) |{ours}")
     print(rule)
-    for n, (fmt, q) in FORMATS.items():
+    for n, (fmt, q) in formats.items():
         print(f"| {n} ({fmt} / quantization={q!r}) | {best['llama.cpp', 'decode', n]:.1f} |"
               + _ratios(best, "decode", n, steps))
     if a.batch_1_only:
@@ -298,10 +319,10 @@ def main(argv=None):
     print(f"\n| {REQUESTS} requests, prompts {LENS[0]}-{LENS[1]}, {OUT_LEN} tokens out, output tokens/s (paged-jax: "
           f"its second call) | llama.cpp (llama-server -np {REQUESTS} -cb -t {t}) |{ours}")
     print(rule)
-    for n, (fmt, q) in FORMATS.items():
+    for n, (fmt, q) in formats.items():
         print(f"| {n} ({fmt} / quantization={q!r}) | {best['llama.cpp', 'batch', n]:.1f} |"
               + _ratios(best, "batch", n, steps))
-    for k in steps if temp == 0 else ():  # sampled outputs differ by design
+    for k in steps if temp == 0 and "float32" in formats else ():  # sampled outputs differ by design
         same = sum(x == y for x, y in zip(tokens["llama.cpp", "float32"], tokens[f"paged-jax k={k}", "float32"]))
         print(f"\nfloat32, num_scheduler_steps={k}: {same} of {REQUESTS} requests' {OUT_LEN} greedy tokens the same "
               f"on both engines")
