@@ -36,7 +36,7 @@ samples nothing, so the batch-1 table then sets paged-jax's sampled decode again
 llama.cpp keeps its KV cache in float16 unless told otherwise, paged-jax in the model's float32:
 ``--cache-type-kv f32`` gives llama-server a float32 cache (``-ctk f32 -ctv f32``), the like-for-like
 float32 comparison of the 48 requests (default ``f16``: llama.cpp as a user runs it; llama-bench takes no
-f32 cache, and at its 88-token context the cache is 3 % of the bytes a token reads). ``--max-num-batched-tokens
+f32 cache, and at its 88-token context a float32 cache would be under 3 % of the bytes a token reads). ``--max-num-batched-tokens
 N`` sets paged-jax's token budget per step (default: the engine's, ``max(max_num_seqs, 256)`` with chunked
 prefill; llama-server's own default is a 2,048-token batch in micro-batches of 512). ``--formats`` runs a
 subset of the three formats.
