@@ -5,6 +5,7 @@ matmuls' panels). The runner takes the weights as they come from here."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 
@@ -19,6 +20,7 @@ def load_for_serving(path, dtype: str = "auto", tensor_parallel_size: int = 1, q
     """
     import jax
 
+    from paged_jax import native
     from paged_jax.models.loader import load_model, read_config
     from paged_jax.parallel import check_tensor_parallel, checkpoint, make_mesh
     from paged_jax.weights import prepare
@@ -44,4 +46,7 @@ def load_for_serving(path, dtype: str = "auto", tensor_parallel_size: int = 1, q
         params = checkpoint.load_sharded(path, model_config, mesh, kv_replication=rep)
     params = prepare(params, jax.default_backend(), quantization=quantization, tensor_parallel=mesh is not None,
                      native_kernels=native_kernels)
-    return config, params, mesh
+    # The RMS norms in one native operation each where the matmuls got the native kernels (one
+    # device: under tensor parallelism XLA would gather sharded hidden states for a call it cannot split)
+    native_norm = jax.default_backend() == "cpu" and mesh is None and native_kernels and native.loaded()
+    return dataclasses.replace(config, native_norm=native_norm), params, mesh

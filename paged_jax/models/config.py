@@ -70,6 +70,7 @@ class ModelConfig:
     # Mixture-of-experts layers: a paged_jax.models.moe.MoEConfig (None: dense)
     moe: Optional[Any] = None
     kv_cache_dtype: str = "auto"  # "int8" | "fp8": the engine's KV cache quantized (paged_jax.attention.kv_quant)
+    native_norm: bool = False  # RMS norms in the native CPU kernel (set where the engine loads the model)
     # Token ids
     bos_token_id: Optional[int] = None
     eos_token_id: Optional[tuple[int, ...]] = field(default=None)

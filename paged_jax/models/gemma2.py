@@ -57,7 +57,7 @@ def params_from_hf(c, get, lin) -> dict:
 
 def norm(x, w, c):
     """Gemma's RMSNorm: the weight is stored as an offset from one, applied in float32."""
-    return rms_norm(x, 1.0 + w.astype(jnp.float32), c.norm_eps)
+    return rms_norm(x, 1.0 + w.astype(jnp.float32), c.norm_eps, c.native_norm)
 
 
 def embed(params, c, input_ids, positions):

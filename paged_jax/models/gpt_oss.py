@@ -91,7 +91,7 @@ def layer(lp, c, h, positions, kv, attn):
         return attn(q, k, v, kv, sinks=lp["sinks"].astype("float32"))
 
     h, kv = llama.attention(lp, c, h, positions, kv, with_sinks)
-    x = rms_norm(h, lp["ln2"], c.norm_eps)
+    x = rms_norm(h, lp["ln2"], c.norm_eps, c.native_norm)
     return h + moe.moe_mlp(lp["moe"], c.moe, x, moe.real_tokens(attn)), kv
 
 

@@ -5,10 +5,16 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from paged_jax import native
 from paged_jax.weights import linear, project  # noqa: F401  (model code's matmuls, any weight format)
 
 
-def rms_norm(x, w, eps):
+def rms_norm(x, w, eps, native_norm: bool = False):
+    """``w * (x * rsqrt(mean(x ** 2) + eps))`` in float32 over the last axis. ``native_norm`` (the
+    config's, set where the engine loads a model for the native CPU kernels): one native operation
+    where XLA's CPU backend makes four (:func:`paged_jax.native.rms_norm`), for float32 operands."""
+    if native_norm and native.rms_norm_applies(x, w):
+        return native.rms_norm(x, w, eps)
     xf = x.astype(jnp.float32)
     xf = xf * jax.lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
     return (w.astype(jnp.float32) * xf).astype(x.dtype)

@@ -108,12 +108,13 @@ def embed(params, c, input_ids, positions):
 
 def attention(lp, c, h, positions, kv, attn):
     """The layer's first half: ``h`` plus self-attention of its normed input."""
-    x = rms_norm(h, lp["ln1"], c.norm_eps)
+    x = rms_norm(h, lp["ln1"], c.norm_eps, c.native_norm)
     rope = c.rope_frequencies()
     q, k, v = project(x, lp, "q", "k", "v")
     q, k = split_heads(q, c.num_heads, c.head_dim), split_heads(k, c.num_kv_heads, c.head_dim)
     if "q_norm" in lp:  # Qwen3: an RMSNorm over each head of Q and K, before the rotation
-        q, k = rms_norm(q, lp["q_norm"], c.norm_eps), rms_norm(k, lp["k_norm"], c.norm_eps)
+        q = rms_norm(q, lp["q_norm"], c.norm_eps, c.native_norm)
+        k = rms_norm(k, lp["k_norm"], c.norm_eps, c.native_norm)
     q, k = apply_rope(q, positions, rope), apply_rope(k, positions, rope)
     o, kv = attn(q, k, split_heads(v, c.num_kv_heads, c.head_dim), kv)
     return h + linear(o.reshape(o.shape[0], -1), lp["o"]), kv
@@ -127,11 +128,11 @@ def mlp(lp, x):
 
 def layer(lp, c, h, positions, kv, attn):
     h, kv = attention(lp, c, h, positions, kv, attn)
-    return h + mlp(lp, rms_norm(h, lp["ln2"], c.norm_eps)), kv
+    return h + mlp(lp, rms_norm(h, lp["ln2"], c.norm_eps, c.native_norm)), kv
 
 
 def final(params, c, h):
-    return rms_norm(h, params["norm"], c.norm_eps)
+    return rms_norm(h, params["norm"], c.norm_eps, c.native_norm)
 
 
 FAMILY = ModelFamily(

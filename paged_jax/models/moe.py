@@ -114,7 +114,7 @@ def real_tokens(attn):
 def layer(lp, c, h, positions, kv, attn):
     """LLaMA's attention, then the mixture (or, on a layer without one, LLaMA's MLP)."""
     h, kv = llama.attention(lp, c, h, positions, kv, attn)
-    x = rms_norm(h, lp["ln2"], c.norm_eps)
+    x = rms_norm(h, lp["ln2"], c.norm_eps, c.native_norm)
     # Padding tokens all route alike: left in, they would lengthen one expert's segment, so every window
     return h + (moe_mlp(lp["moe"], c.moe, x, real_tokens(attn)) if "moe" in lp else llama.mlp(lp, x)), kv
 

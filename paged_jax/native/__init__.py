@@ -48,6 +48,7 @@ from paged_jax.native.build import (CPU_ISA, INT4_TARGET, INT8_TARGET, KERNELS, 
                                     QUANTIZED_KERNELS, QUANTIZED_NATIVE_ROWS, QUANTIZED_TARGETS, SUM_TARGET, TARGETS, available, cpu_isa,
                                     loaded, packs_weights, paths, quantized_native_rows, status)
 from paged_jax.native.build import _state  # noqa: F401  (the build's record; tests read it)
+from paged_jax.native.norm import rms_norm, rms_norm_applies
 from paged_jax.native.linear import (linear, linear_int4, linear_int8, linear_quantized, pack_int4_blocks, pack_padded,
                                      pack_weight, panel_width, read_sum, unpack_int4_blocks, unpack_weight)
 
@@ -55,5 +56,5 @@ __all__ = ["available", "loaded", "status", "paths", "cpu_isa", "paged_attention
            "quantized_native_rows", "QUANTIZED_NATIVE_ROWS", "QUANTIZED_KERNELS",
            "panel_width", "pack_weight", "unpack_weight", "pack_padded", "linear", "linear_quantized", "linear_int8",
            "linear_int4", "pack_int4_blocks", "unpack_int4_blocks", "INT4_TARGET",
-           "read_sum", "CPU_ISA", "KERNELS", "TARGETS", "QUANTIZED_ATTENTION_TARGETS", "LINEAR_TARGET", "SUM_TARGET",
+           "read_sum", "rms_norm", "rms_norm_applies", "CPU_ISA", "KERNELS", "TARGETS", "QUANTIZED_ATTENTION_TARGETS", "LINEAR_TARGET", "SUM_TARGET",
            "QUANTIZED_TARGETS", "INT8_TARGET", "PANEL_WIDTHS"]

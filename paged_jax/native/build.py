@@ -20,7 +20,8 @@ from paged_jax import envs  # a leaf module: native imports nothing else of page
 logger = logging.getLogger("paged_jax")
 
 SOURCES = [Path(__file__).with_name(f) for f in ("paged_attention.cc", "linear.cc", "linear_quantized.cc",
-                                                      "linear_int8.cc", "linear_int4.cc", "grouped_linear.cc")]
+                                                      "linear_int8.cc", "linear_int4.cc", "grouped_linear.cc",
+                                                      "rms_norm.cc")]
 HEADERS = [Path(__file__).with_name(f) for f in ("parallel.h", "fp8.h", "panel_tiles.h", "attention_loops.h",
                                                   "attention_tiles.h", "attention_item.h")]
 TARGETS = {"float32": ("paged_jax_paged_attention_f32", "PagedAttentionF32"),
@@ -40,6 +41,7 @@ INT8_TARGET = ("paged_jax_linear_i8i8", "LinearI8I8")  # W8A8: int8 activations 
 GROUPED_TARGET = ("paged_jax_grouped_linear_f32", "GroupedLinearF32")  # a mixture's experts, rows sorted by expert
 # symmetric int4 weights x float32 activations quantized to int8 per block of 32 in the kernel (q4_0 x q8_0)
 INT4_TARGET = ("paged_jax_linear_q4i8", "LinearQ4I8")
+RMS_NORM_TARGET = ("paged_jax_rms_norm_f32", "RmsNormF32")  # a float32 RMS norm in one operation
 PANEL_WIDTHS = (48, 32, 16)
 FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-std=c++17", "-shared", "-fPIC", "-w"]
 
@@ -60,7 +62,7 @@ _state: dict = {}
 _traced: set = set()
 KERNELS = ("attention float32", "attention bfloat16", "attention int8 cache", "attention fp8 cache", "linear float32",
            "linear int8", "linear int4", "linear fp8", "linear int8 x int8", "linear int4 x int8",
-           "linear grouped float32")
+           "linear grouped float32", "rms norm float32")
 CPU_ISA = ("avx2", "avx512f", "avx512_vnni")  # the extensions the kernels' paths are chosen by
 
 
@@ -128,7 +130,8 @@ def available() -> bool:
                     _build(path)
                 lib = ctypes.cdll.LoadLibrary(str(path))
                 for target, symbol in (*TARGETS.values(), *QUANTIZED_ATTENTION_TARGETS.values(), LINEAR_TARGET, SUM_TARGET,
-                                       *QUANTIZED_TARGETS.values(), INT8_TARGET, INT4_TARGET, GROUPED_TARGET):
+                                       *QUANTIZED_TARGETS.values(), INT8_TARGET, INT4_TARGET, GROUPED_TARGET,
+                                       RMS_NORM_TARGET):
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")
                 _state.update(ok=True, library=str(path), flags=" ".join(_flags()),
                               linear_isa=int(lib.PagedJaxLinearIsa()), int8_isa=int(lib.PagedJaxLinearInt8Isa()),
