@@ -4,10 +4,14 @@ backend spends four (see the C++ file's comment)."""
 from __future__ import annotations
 
 import math
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from paged_jax.native import build
+
+if TYPE_CHECKING:
+    import jax
 
 
 def rms_norm_applies(x, w) -> bool:
