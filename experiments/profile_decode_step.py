@@ -22,7 +22,8 @@ builds it):
 - ``--host-us``: a busy wait of so many microseconds before each step, as the engine's host work
   between steps (sampling, scheduling, the next batch) leaves one: steps timed back to back miss
   what that wait costs the next step, and what the matmuls prefetch during it;
-- ``--per-call``: one kernel call at one row, from chains of dependent calls in one function;
+- ``--per-call``: one kernel call at one row, from chains of dependent calls in one function, and
+  an RMS norm native and in XLA at 1-256 rows;
 - ``--build=FLAGS`` (twice or more): the same in child processes, one native build each
   (``PAGED_JAX_NATIVE_FLAGS``; ``--build=`` the default), alternating ``--repeats`` times.
 
@@ -183,6 +184,27 @@ def per_call(calls: int) -> None:
     one, many = op_chain(1), op_chain(33)
     t1, t33 = min(timed(lambda: one(x), calls)), min(timed(lambda: many(x), calls // 4))
     print(f"  XLA tanh of 512 floats: {(t33 - t1) / 32:.1f} us an operation; one jitted alone {t1:.1f} us")
+
+    # The RMS norm, native (one operation) and as XLA compiles the jnp expression (four), by rows
+    def norm_chain(native_norm, n):
+        def run(x, w):
+            for _ in range(n):
+                x = rms_norm(x, w, 1e-6, native_norm)
+            return x
+        return jax.jit(run)
+
+    from paged_jax.models.layers import rms_norm
+
+    w = jnp.asarray(rng.uniform(0.5, 1.5, 512).astype(np.float32))
+    for rows in (1, 8, 48, 256):
+        xs = jnp.asarray(rng.standard_normal((rows, 512)).astype(np.float32))
+        us = {}
+        for name, flag in (("native", True), ("XLA", False)):
+            one, many = norm_chain(flag, 1), norm_chain(flag, 33)
+            t1, t33 = min(timed(lambda: one(xs, w), calls)), min(timed(lambda: many(xs, w), calls // 4))
+            us[name] = (t33 - t1) / 32
+        print(f"  RMS norm of [{rows}, 512]: native {us['native']:.1f} us, XLA {us['XLA']:.1f} us a norm "
+              f"({us['XLA'] / us['native']:.1f}x)")
 
 
 def compare_builds(a, argv) -> None:
