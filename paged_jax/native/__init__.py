@@ -25,7 +25,9 @@ chunk) has XLA dequantize the panels and run its matmul instead, the faster ther
 :func:`linear_int8`, where the library was built with AVX-512 VNNI or AVX2. Symmetric int4 weights
 quantized on load run as llama.cpp runs q4_0: :func:`linear_int4` (``linear_int4.cc``) quantizes the
 activations to int8 per block of 32 in the kernel and sums integer products on the nibbles
-(:func:`pack_int4_blocks`' layout; VNNI, AVX2's ``vpmaddubsw`` or portable loops). Which weights are stored
+(:func:`pack_int4_blocks`' layout; VNNI, AVX2's ``vpmaddubsw`` or portable loops). The RMS norm is one
+operation (:func:`rms_norm`, ``rms_norm.cc``) where XLA's CPU backend makes four; the models use it
+where the engine loaded them for these kernels (``ModelConfig.native_norm``). Which weights are stored
 this way, and when, is :mod:`paged_jax.weights.panels`' and :func:`paged_jax.weights.prepare`'s
 business: this package is the build (:mod:`~paged_jax.native.build`), the FFI calls
 (:mod:`~paged_jax.native.attention`, :mod:`~paged_jax.native.linear`) and the C++, and imports
