@@ -201,6 +201,27 @@ def _logprob_errors(model, runs, n=16, greedy=True) -> np.ndarray:
     return np.array(errors)
 
 
+def _greedy_within(model, runs, tie: float, n=16) -> None:
+    """Each of the engine's ``n`` greedy tokens is the reference's best on the engine's own prefix,
+    or within ``tie`` of it (its logprob at least the best one's less ``tie``)."""
+    import torch
+
+    with torch.no_grad():
+        for tokens, _ in runs:
+            ref = torch.log_softmax(model(torch.tensor([tokens[:-1]])).logits[0], -1).numpy()
+            for j in range(len(tokens) - n - 1, len(tokens) - 1):
+                assert ref[j, tokens[j + 1]] >= ref[j].max() - tie, (j, tokens, ref[j].max() - ref[j, tokens[j + 1]])
+
+
+# Activations quantized per token: a last-bit difference upstream (a norm's or attention's summation
+# order) can put one activation on the other side of a rounding step and move a logprob by up to
+# 0.073 (measured, see the test below), so greedy tokens equal transformers' only up to such near-ties.
+# Even transformers' own two paths differ there: after the native RMS norm, W8A8's engine tokens left
+# `generate`'s at one position of 48 (two tokens 0.014 apart in generate's scores), while one forward
+# pass over the engine's tokens ranks each of them first. So these schemes are checked along the
+# engine's own path, against that forward pass, to within this much.
+ACTIVATION_TIE = 0.1
+
 # Float32 on both sides: the engine's logprobs measured at most 6.2e-6 from the numpy dequantization's;
 # 1e-4 leaves room for other CPUs' kernels, while a scale 1% off in one output channel of one layer
 # moves them by 0.013.
@@ -226,7 +247,10 @@ def test_logprobs_equal_a_numpy_dequantization_and_tokens_equal_transformers(ct_
     activations = json.loads((path / "config.json").read_text())["quantization_config"]["config_groups"]
     activations = next(iter(activations.values()))["input_activations"]
     llm, runs = _engine_logprobs(path, PROMPTS, block_size=8)
-    assert [t[len(p):] for p, (t, _) in zip(PROMPTS, runs)] == _oracle_tokens(load_hf(path), PROMPTS)
+    if activations is None:
+        assert [t[len(p):] for p, (t, _) in zip(PROMPTS, runs)] == _oracle_tokens(load_hf(path), PROMPTS)
+    else:  # greedy along its own path, to within what a last bit upstream can move (ACTIVATION_TIE)
+        _greedy_within(load_hf(path), runs, ACTIVATION_TIE)
     linears = [v for lp in llm.llm_engine.runner.params["layers"] for v in unfused(lp).values() if hasattr(v, "__call__")]
     assert linears and all(isinstance(v, QUANTIZED) for v in linears)  # held quantized, not dequantized
     if scheme == "W4A16":
