@@ -186,14 +186,14 @@ def per_call(calls: int) -> None:
     print(f"  XLA tanh of 512 floats: {(t33 - t1) / 32:.1f} us an operation; one jitted alone {t1:.1f} us")
 
     # The RMS norm, native (one operation) and as XLA compiles the jnp expression (four), by rows
+    from paged_jax.models.layers import rms_norm
+
     def norm_chain(native_norm, n):
         def run(x, w):
             for _ in range(n):
                 x = rms_norm(x, w, 1e-6, native_norm)
             return x
         return jax.jit(run)
-
-    from paged_jax.models.layers import rms_norm
 
     w = jnp.asarray(rng.uniform(0.5, 1.5, 512).astype(np.float32))
     for rows in (1, 8, 48, 256):

@@ -20,10 +20,9 @@ def load_for_serving(path, dtype: str = "auto", tensor_parallel_size: int = 1, q
     """
     import jax
 
-    from paged_jax import native
     from paged_jax.models.loader import load_model, read_config
     from paged_jax.parallel import check_tensor_parallel, checkpoint, make_mesh
-    from paged_jax.weights import prepare
+    from paged_jax.weights.prepare import native_kernels_apply, prepare
 
     tp = tensor_parallel_size
     if tp == 1 and not checkpoint.is_orbax_checkpoint(path):
@@ -44,9 +43,10 @@ def load_for_serving(path, dtype: str = "auto", tensor_parallel_size: int = 1, q
         config, rep = check_tensor_parallel(model_config, tp)  # before any weight is read
         mesh = make_mesh(tp)
         params = checkpoint.load_sharded(path, model_config, mesh, kv_replication=rep)
-    params = prepare(params, jax.default_backend(), quantization=quantization, tensor_parallel=mesh is not None,
+    platform, tensor_parallel = jax.default_backend(), mesh is not None
+    params = prepare(params, platform, quantization=quantization, tensor_parallel=tensor_parallel,
                      native_kernels=native_kernels)
     # The RMS norms in one native operation each where the matmuls got the native kernels (one
     # device: under tensor parallelism XLA would gather sharded hidden states for a call it cannot split)
-    native_norm = jax.default_backend() == "cpu" and mesh is None and native_kernels and native.loaded()
+    native_norm = native_kernels_apply(platform, tensor_parallel=tensor_parallel, native_kernels=native_kernels)
     return dataclasses.replace(config, native_norm=native_norm), params, mesh

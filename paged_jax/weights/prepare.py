@@ -13,6 +13,13 @@ from paged_jax.weights.panels import to_panels
 logger = logging.getLogger("paged_jax")
 
 
+def native_kernels_apply(platform: str, *, tensor_parallel: bool = False, native_kernels: bool = True) -> bool:
+    """Whether a model loaded for ``platform`` runs the native CPU kernels: a CPU, one device
+    (``tensor_parallel`` False), ``native_kernels`` on and the library built. :func:`prepare` packs
+    weights for them then, and the loader sets the config's ``native_norm`` by the same answer."""
+    return platform == "cpu" and not tensor_parallel and native_kernels and native.available()
+
+
 def prepare(params, platform: str, *, quantization: Optional[str] = None, tensor_parallel: bool = False,
             native_kernels: bool = True):
     """``params`` as the engine runs them on ``platform`` (JAX's: ``"cpu"``, ``"gpu"``, ...):
@@ -32,7 +39,7 @@ def prepare(params, platform: str, *, quantization: Optional[str] = None, tensor
     Called once, where the engine loads the model: nothing after it repacks."""
     if quantization is not None:
         params = quantize_layers(params, quantization)
-    if platform == "cpu" and not tensor_parallel and native_kernels and native.available():
+    if native_kernels_apply(platform, tensor_parallel=tensor_parallel, native_kernels=native_kernels):
         floats = native.packs_weights()
         # 4 bits on load is llama.cpp's q4_0, multiplied as it multiplies it (q8_0 activations, integer dot products)
         params = to_panels(params, floats=floats, int4_int8=quantization in INT4_GROUPS)
