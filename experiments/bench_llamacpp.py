@@ -4,6 +4,7 @@
     python experiments/bench_llamacpp.py [--rounds 3] [--isa native|avx2] [--llama-threads 2] [--cache DIR]
                                          [--batch-1-only] [--num-scheduler-steps 1 8] [--temperature 0]
                                          [--formats float32 8-bit 4-bit] [--cache-type-kv f16|f32]
+                                         [--kv-cache-dtype auto bfloat16 ...]
                                          [--max-num-batched-tokens N]
 
 llama.cpp's tools are built once from the llama-cpp-python source distribution on PyPI
@@ -34,10 +35,11 @@ step, and multi-step decoding, ``paged_jax.multi_step``), each its own column. `
 paged-jax samples (unseeded, no top-k / top-p) and so do llama-server's requests (``top_k`` 0); llama-bench
 samples nothing, so the batch-1 table then sets paged-jax's sampled decode against llama.cpp's bare one.
 
-llama.cpp keeps its KV cache in float16 unless told otherwise, paged-jax in the model's float32:
-``--cache-type-kv f32`` gives llama-server a float32 cache (``-ctk f32 -ctv f32``), the like-for-like
-float32 comparison of the 48 requests (default ``f16``: llama.cpp as a user runs it; llama-bench takes no
-f32 cache, and at its 88-token context a float32 cache would be under 3 % of the bytes a token reads). ``--max-num-batched-tokens
+KV caches alike on both sides: llama.cpp keeps its KV cache in float16 unless told otherwise, and
+paged-jax then runs ``kv_cache_dtype="bfloat16"`` (16 bits each, widened to float32 as the attention
+reads them); ``--cache-type-kv f32`` gives llama-server a float32 cache (``-ctk f32 -ctv f32``) and
+paged-jax the model's float32 (``"auto"``); llama-bench takes no float32 cache and keeps its f16. ``--kv-cache-dtype`` sets paged-jax's instead, one
+column each (``--kv-cache-dtype auto bfloat16``: both caches side by side). ``--max-num-batched-tokens
 N`` sets paged-jax's token budget per step (default: the engine's, ``max(max_num_seqs, 256)`` with chunked
 prefill; llama-server's own default is a 2,048-token batch in micro-batches of 512). ``--formats`` runs a
 subset of the three formats.
@@ -65,7 +67,10 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp is built
+LLAMA_CPP_PYTHON = "0.3.36"
+# paged-jax's kv_cache_dtype beside llama.cpp's cache type: 16 bits against 16 (llama.cpp's default f16
+# beside bfloat16: the kernels widen either to float32 as they read it), float32 against float32
+LIKE_CACHE_TYPE = {"f16": "bfloat16", "f32": "auto"}  # the sdist whose vendored llama.cpp is built
 TOOLS = ("llama-bench", "llama-server", "llama-quantize")
 CMAKE_ISA = {"native": ["-DGGML_NATIVE=ON"],
              "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
@@ -246,13 +251,17 @@ def main(argv=None):
                     help="> 0: paged-jax and llama-server sample (default 0: greedy)")
     ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
     ap.add_argument("--cache-type-kv", default="f16", choices=["f16", "f32"],
-                    help="llama-server's KV cache type (default f16, its own default; f32: as paged-jax's float32 cache)")
+                    help="llama-server's KV cache type (default f16, its own default; llama-bench keeps f16)")
+    ap.add_argument("--kv-cache-dtype", nargs="+", default=None, choices=["auto", "bfloat16", "int8", "fp8"],
+                    help="paged-jax's kv_cache_dtype, a column each (default: the like of --cache-type-kv: bfloat16 "
+                         "for f16, auto (the model's float32) for f32)")
     ap.add_argument("--max-num-batched-tokens", type=int, default=None,
                     help="paged-jax's token budget per step (default: the engine's)")
     a = ap.parse_args(argv)
     if a.temperature < 0:
         ap.error(f"--temperature must be >= 0, got {a.temperature}")
     temp, ctype = a.temperature, a.cache_type_kv
+    kvs = a.kv_cache_dtype or [LIKE_CACHE_TYPE[ctype]]
     formats = {n: FORMATS[n] for n in FORMATS if n in a.formats}
     if a.isa == "avx2" and os.environ.get("PAGED_JAX_NATIVE_FLAGS") is None:  # hold paged-jax to AVX2 too: re-run
         env = dict(os.environ, PAGED_JAX_NATIVE_FLAGS="-mno-avx512f",
@@ -274,15 +283,15 @@ def main(argv=None):
         prompt = rng.integers(3, vocab, PROMPT).tolist()
         prompts = [rng.integers(3, vocab, int(n)).tolist() for n in rng.integers(LENS[0], LENS[1] + 1, REQUESTS)]
         blocks = REQUESTS * ((LENS[1] + OUT_LEN) // 16 + 2)
-        engines, steps = {}, a.num_scheduler_steps
+        engines, variants = {}, [(k, kv) for k in a.num_scheduler_steps for kv in kvs]
         for name, (_, q) in formats.items():
-            for k in steps:
-                engines[name, k] = LLM(str(model), quantization=q, max_model_len=512, num_kv_blocks=blocks,
-                                       max_num_seqs=REQUESTS, num_scheduler_steps=k,
-                                       max_num_batched_tokens=a.max_num_batched_tokens)
-                paged_jax_decode(engines[name, k], prompt, temp)  # compiles what the cells reach
+            for k, kv in variants:
+                engines[name, k, kv] = LLM(str(model), quantization=q, max_model_len=512, num_kv_blocks=blocks,
+                                           max_num_seqs=REQUESTS, num_scheduler_steps=k, kv_cache_dtype=kv,
+                                           max_num_batched_tokens=a.max_num_batched_tokens)
+                paged_jax_decode(engines[name, k, kv], prompt, temp)  # compiles what the cells reach
                 if not a.batch_1_only:
-                    paged_jax_batch(engines[name, k], prompts, temp)
+                    paged_jax_batch(engines[name, k, kv], prompts, temp)
         best: dict = {}
         tokens: dict = {}
         loads = [os.getloadavg()[0]]  # the machine's 1-minute load average, before and after each round
@@ -292,9 +301,9 @@ def main(argv=None):
                          ("llama.cpp", "batch"): lambda: max((llama_server(bin_dir, ggufs[fmt], prompts, a.port, t, temp,
                                                                            ctype)
                                                               for t in a.llama_threads), key=lambda o: o[0])}
-                for k in steps:
-                    cells[f"paged-jax k={k}", "decode"] = lambda k=k: paged_jax_decode(engines[name, k], prompt, temp)
-                    cells[f"paged-jax k={k}", "batch"] = lambda k=k: paged_jax_batch(engines[name, k], prompts, temp)
+                for v in variants:
+                    cells[_column(v), "decode"] = lambda v=v: paged_jax_decode(engines[(name, *v)], prompt, temp)
+                    cells[_column(v), "batch"] = lambda v=v: paged_jax_batch(engines[(name, *v)], prompts, temp)
                 if a.batch_1_only:
                     cells = {k: f for k, f in cells.items() if k[1] == "decode"}
                 for (engine, kind), f in cells.items():
@@ -314,16 +323,17 @@ def main(argv=None):
           + (f", PAGED_JAX_NATIVE_FLAGS={os.environ.get('PAGED_JAX_NATIVE_FLAGS')}" if a.isa == "avx2" else ""))
     print(f"best of {a.rounds} alternating rounds; 1-minute load average {min(loads):.1f}-{max(loads):.1f} "
           f"(before and after each round)" + (f"; temperature {temp} (llama-bench: no sampling)" if temp else "")
-          + f"; llama-server's KV cache {ctype} (llama-bench's f16), paged-jax's float32; paged-jax's token budget "
+          + f"; KV caches: llama-server's {ctype}, llama-bench's f16, paged-jax's {' / '.join(kvs)}; paged-jax's "
+          + "token budget "
           + (str(a.max_num_batched_tokens) if a.max_num_batched_tokens else "the engine's default") + "\n")
     t = "/".join(map(str, a.llama_threads))
-    ours = "".join(f" paged-jax, num_scheduler_steps={k} | over it |" for k in steps)
-    rule = "|---|---:|" + "---:|---:|" * len(steps)
+    ours = "".join(f" paged-jax, {_column(v)[len('paged-jax '):]} | over it |" for v in variants)
+    rule = "|---|---:|" + "---:|---:|" * len(variants)
     print(f"| batch-1 decode, {PROMPT}-token context, tokens/s | llama.cpp (llama-bench -t {t}) |{ours}")
     print(rule)
     for n, (fmt, q) in formats.items():
         print(f"| {n} ({fmt} / quantization={q!r}) | {best['llama.cpp', 'decode', n]:.1f} |"
-              + _ratios(best, "decode", n, steps))
+              + _ratios(best, "decode", n, variants))
     if a.batch_1_only:
         return
     print(f"\n| {REQUESTS} requests, prompts {LENS[0]}-{LENS[1]}, {OUT_LEN} tokens out, output tokens/s (paged-jax: "
@@ -331,18 +341,23 @@ def main(argv=None):
     print(rule)
     for n, (fmt, q) in formats.items():
         print(f"| {n} ({fmt} / quantization={q!r}) | {best['llama.cpp', 'batch', n]:.1f} |"
-              + _ratios(best, "batch", n, steps))
-    for k in steps if temp == 0 and "float32" in formats else ():  # sampled outputs differ by design
-        same = sum(x == y for x, y in zip(tokens["llama.cpp", "float32"], tokens[f"paged-jax k={k}", "float32"]))
-        print(f"\nfloat32, num_scheduler_steps={k}: {same} of {REQUESTS} requests' {OUT_LEN} greedy tokens the same "
-              f"on both engines")
+              + _ratios(best, "batch", n, variants))
+    for v in variants if temp == 0 and "float32" in formats else ():  # sampled outputs differ by design
+        same = sum(x == y for x, y in zip(tokens["llama.cpp", "float32"], tokens[_column(v), "float32"]))
+        print(f"\nfloat32, {_column(v)[len('paged-jax '):]}: {same} of {REQUESTS} requests' {OUT_LEN} greedy tokens "
+              f"the same on both engines")
 
 
-def _ratios(best: dict, kind: str, fmt: str, steps: list) -> str:
-    """A table row's paged-jax cells: each num_scheduler_steps' rate and its ratio over llama.cpp's."""
+def _column(variant: tuple) -> str:
+    """A paged-jax column's name: its num_scheduler_steps and kv_cache_dtype."""
+    k, kv = variant
+    return f"paged-jax num_scheduler_steps={k}, kv_cache_dtype={kv}"
+
+
+def _ratios(best: dict, kind: str, fmt: str, variants: list) -> str:
+    """A table row's paged-jax cells: each variant's rate and its ratio over llama.cpp's."""
     lc = best["llama.cpp", kind, fmt]
-    return "".join(f" {best[f'paged-jax k={k}', kind, fmt]:.1f} | {best[f'paged-jax k={k}', kind, fmt] / lc:.2f}x |"
-                   for k in steps)
+    return "".join(f" {best[_column(v), kind, fmt]:.1f} | {best[_column(v), kind, fmt] / lc:.2f}x |" for v in variants)
 
 
 if __name__ == "__main__":

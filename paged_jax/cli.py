@@ -54,8 +54,9 @@ def _engine_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices to split the model over (Megatron-style tensor parallelism)")
     p.add_argument("--warm-up", action="store_true", help="compile every reachable step shape before serving")
-    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "int8", "fp8"],
-                   help="store the KV cache in 8 bits with a scale per token and head (more blocks in the same memory)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "bfloat16", "int8", "fp8"],
+                   help="the KV cache's dtype: the model's (auto), bfloat16 (half a float32 model's bytes), or 8 bits "
+                        "with a scale per token and head (int8, fp8): more blocks in the same memory")
     p.add_argument("--quantization", default=None, choices=["int8", "w8a8", "fp8", "int4", "int4-g128"],
                    help="quantize the layers' linear weights as they load (per output channel; w8a8: int8 "
                         "activations per token too; int4: 4 bits per group of 32 rows, int4-g128 of 128); "

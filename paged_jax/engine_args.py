@@ -53,7 +53,7 @@ class EngineArgs:
     watermark: float = 0.01
     tensor_parallel_size: int = 1  # devices the model is split over (Megatron-style; paged_jax.parallel)
     quantization: Optional[str] = None  # QUANTIZE_ON_LOAD ("int8", "w8a8", "fp8", "int4", "int4-g128"): linear weights quantized as they load
-    kv_cache_dtype: str = "auto"  # "int8" | "fp8": 8-bit KV cache, a scale per token and head
+    kv_cache_dtype: str = "auto"  # "bfloat16": 16-bit cache; "int8" | "fp8": 8-bit, a scale per token and head
     # False: no native CPU kernels in this engine (XLA's matmuls, the jnp attention); None: on where they
     # build, unless PAGED_JAX_NATIVE=0
     native_kernels: Optional[bool] = None

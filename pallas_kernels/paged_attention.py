@@ -102,10 +102,11 @@ def _kv_quant():
 def check_shapes(heads_dim, k_cache, v_cache, interpret: bool) -> None:
     """Raise ValueError naming the bad value: ``heads_dim`` is q's (num_heads, head_dim).
     The Triton backend needs power-of-two tensor shapes; interpret mode takes any. An 8-bit
-    cache (kv_quant's layout) has ``head_dim + 2`` bytes per entry: the values, then the scale."""
+    cache (kv_quant's layout) has ``head_dim + 2`` bytes per entry: the values, then the scale; a bfloat16
+    one (its bits in uint16) ``head_dim``."""
     H, D = heads_dim
     kv_quant = _kv_quant()
-    quantized = kv_quant.kind(k_cache) != "auto"
+    quantized = kv_quant.kind(k_cache) in kv_quant.QUANTIZED  # (a bfloat16 cache's uint16 bits: head_dim)
     E = D + kv_quant.SCALE_BYTES if quantized else D
     if k_cache.shape != v_cache.shape or k_cache.ndim != 4 or k_cache.shape[3] != E:
         raise ValueError(f"k_cache {k_cache.shape} and v_cache {v_cache.shape} must both be [num_blocks, block_size, "
@@ -136,14 +137,17 @@ def first_chunk(first_key, chunk: int):
 def load_pages(ref, pages, chunk: int, d: int, dtype):
     """Gather ``pages`` of one head's cache view ``ref [num_blocks, block_size, E]``.
 
-    A float cache (E = d): ``(entries [chunk, d], None)``, as stored. An 8-bit cache
+    A float cache (E = d): ``(entries [chunk, d], None)``, as stored (bfloat16 bits in uint16: in dtype). An 8-bit cache
     (kv_quant's layout, E = d + 2): ``(values [chunk, d] in dtype, scales [chunk] f32)``; the
     values (int8, or fp8 e4m3 bits in uint8) convert to ``dtype`` exactly, and the caller
     applies the scales. The float16 scale's two bytes are loaded one at a time and joined as
     an integer before a same-width bitcast: Triton's bitcast cannot turn two int8 into a float16.
     """
     if ref.shape[-1] == d:
-        return ref[pages].reshape(chunk, d), None
+        entries = ref[pages].reshape(chunk, d)
+        if _kv_quant().kind(ref) == "bfloat16":  # bfloat16 bits in uint16, widened to the queries' dtype
+            entries = lax.bitcast_convert_type(entries, jnp.bfloat16).astype(dtype)
+        return entries, None
     values = ref[pages, :, pl.ds(0, d)].reshape(chunk, d)
     if _kv_quant().kind(ref) == "fp8":
         values = lax.bitcast_convert_type(values, jnp.float8_e4m3fn)

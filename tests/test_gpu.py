@@ -95,9 +95,11 @@ def cases(kinds):
 
 
 # Float caches in the model dtype, and 8-bit caches read by bfloat16 queries (what a bfloat16 model with
-# kv_cache_dtype="int8" | "fp8" runs); then single cases: float16, and an int8 cache under float32 queries.
+# kv_cache_dtype="int8" | "fp8" runs); then single cases: float16, an int8 cache under float32 queries, and a
+# bfloat16 cache under float32 queries (kv_cache_dtype="bfloat16" beside float32 weights: its bits in uint16).
 MAIN = [("float32", "float32"), ("bfloat16", "bfloat16"), ("bfloat16", "int8"), ("bfloat16", "fp8")]
-EXTRA = [("float16", "float16", "gqa", "plain"), ("float32", "int8", "gqa", "plain")]
+EXTRA = [("float16", "float16", "gqa", "plain"), ("float32", "int8", "gqa", "plain"),
+         ("float32", "bfloat16", "gqa", "plain")]
 KERNEL_CASES = cases(MAIN) + EXTRA
 IDS = ["-".join(c) for c in KERNEL_CASES]
 
@@ -109,7 +111,7 @@ def make_inputs(q_dtype: str, cache: str, heads: str, Q: int | None):
     H = HEADS[heads]
     shape = dict(lens=LENS, H=H, KVH=KVH, D=D, block_size=BLOCK, max_blocks=MAX_BLOCKS, num_blocks=NUM_BLOCKS, Q=Q)
     seed = sum(map(ord, q_dtype + cache + heads)) + (Q or 0)
-    if cache in ("int8", "fp8"):
+    if cache in ("int8", "fp8") or cache == "bfloat16" != q_dtype:
         q, k, v, tables, lens = quantized_case(cache, seed, **shape)
         # Unused slots decode to NaN / Inf (their scales): the kernel sees them raw; the oracle, which
         # never looks at them either, gets zeros there so that its own arithmetic stays finite.

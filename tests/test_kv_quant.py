@@ -1,4 +1,5 @@
-"""The 8-bit KV cache (``kv_cache_dtype="int8" | "fp8"``, paged_jax/attention/kv_quant.py).
+"""The 8-bit KV cache (``kv_cache_dtype="int8" | "fp8"``, paged_jax/attention/kv_quant.py), and the
+bfloat16 one beside float32 weights (``"bfloat16"``, its bits held in uint16).
 
 Oracles: numpy for the quantizer; numpy attention over the cache as stored, dequantized by numpy
 (what the backends must read back through the block table); transformers' float model with its
@@ -135,11 +136,13 @@ def _tokens(**kw):
 
 
 def _rounded_as_stored(x, kind: str):
-    """``x`` (torch, ``[..., head_dim]``) rounded as the 8-bit cache stores it: one float16 scale per
-    token and head (max |x| over 127 for int8, 448 for fp8 e4m3; 1 for all zeros), values rounded to
-    int8 in [-127, 127] or cast to e4m3."""
+    """``x`` (torch, ``[..., head_dim]``) rounded as the cache stores it: bfloat16 (to nearest even); or
+    8 bits, one float16 scale per token and head (max |x| over 127 for int8, 448 for fp8 e4m3; 1 for
+    all zeros), values rounded to int8 in [-127, 127] or cast to e4m3."""
     import torch
 
+    if kind == "bfloat16":
+        return x.to(torch.bfloat16).float()
     amax = x.abs().amax(-1, keepdim=True)
     scale = torch.where(amax == 0, torch.ones_like(amax), amax / (127 if kind == "int8" else 448)).half().float()
     if kind == "int8":
@@ -147,8 +150,8 @@ def _rounded_as_stored(x, kind: str):
     return torch.clamp(x / scale, -448, 448).to(torch.float8_e4m3fn).float() * scale
 
 
-@pytest.mark.parametrize("kind", ["int8", "fp8"])
-def test_8bit_cache_logprobs_equal_transformers_with_keys_and_values_rounded_as_stored(kind, monkeypatch):
+@pytest.mark.parametrize("kind", ["int8", "fp8", "bfloat16"])
+def test_cache_logprobs_equal_transformers_with_keys_and_values_rounded_as_stored(kind, monkeypatch):
     """The default model's logprobs (prompts and greedy continuations, the top 5 and the actual
     token's) against transformers' float32 model whose keys (after RoPE) and values are rounded as
     the cache stores them, teacher-forced on the engine's tokens."""
@@ -205,6 +208,38 @@ def test_the_same_memory_holds_more_blocks_and_int8_keeps_the_default_models_gre
     assert got == want
 
 
+def test_a_bfloat16_cache_holds_twice_the_blocks_in_its_bits_and_keeps_the_default_models_greedy_tokens():
+    """kv_cache_dtype="bfloat16" beside the default model's float32 weights: 2 bytes a value instead of
+    4 (twice the blocks in the same memory), the cache a uint16 array of bfloat16 bits (an integer
+    scatter writes a step's slots; a bfloat16 one XLA:CPU widens, the whole cache converted a layer),
+    read by the native kernel where it builds; the same greedy tokens as the float32 cache, also under
+    swap and recompute preemption and with cached prefixes."""
+    memory = dict(cpu_kv_cache_space=0.04)  # GiB, the same for both
+    llm_f, want = _tokens(**memory)
+    llm_b, got = _tokens(kv_cache_dtype="bfloat16", **memory)
+    blocks = [llm.llm_engine.scheduler.block_manager.get_usage().num_total_gpu_blocks for llm in (llm_f, llm_b)]
+    assert (blocks[1] + 1) / (blocks[0] + 1) == pytest.approx(2, rel=0.005), blocks  # the null block too
+    k = llm_b.llm_engine.runner.kv_caches[0][0]
+    assert k.dtype == jnp.uint16 and k.shape[-1] == llm_b.llm_engine.runner.config.head_dim
+    assert llm_b.llm_engine.runner.attention_backend == ("native" if native.available() else "reference")
+    assert got == want
+    for mode in ("swap", "recompute"):
+        llm, got = _tokens(kv_cache_dtype="bfloat16", block_size=4, num_kv_blocks=30, preemption_mode=mode)
+        assert llm.llm_engine.scheduler.num_preemptions[mode] > 0
+        assert got == want
+    llm = LLM(max_model_len=256, kv_cache_dtype="bfloat16", enable_prefix_caching=True, block_size=4)
+    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
+    first = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
+    again = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sp, use_tqdm=False)]  # cached prefixes
+    assert first == want and again == want
+
+
+def test_a_bfloat16_cache_beside_bfloat16_weights_is_the_models_own():
+    assert kv_quant.storage_dtype("bfloat16", "bfloat16") == jnp.bfloat16
+    assert kv_quant.storage_dtype("bfloat16", "float32") == jnp.uint16
+    assert kv_quant.bytes_per_token_head(64, "bfloat16", 4) == 128 and kv_quant.cache_head_dim(64, "bfloat16") == 64
+
+
 def test_an_8bit_cache_survives_swap_recompute_and_prefix_sharing():
     _, want = _tokens(kv_cache_dtype="int8")
     for mode in ("swap", "recompute"):
@@ -225,5 +260,5 @@ def test_8bit_cache_keeps_held_out_perplexity_within_one_percent(kind):
 
 
 def test_kv_cache_dtype_names_the_allowed_values():
-    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \['auto', 'int8', 'fp8'\], got 'int4'"):
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of \['auto', 'bfloat16', 'int8', 'fp8'\], got 'int4'"):
         LLM(kv_cache_dtype="int4")

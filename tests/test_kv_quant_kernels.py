@@ -31,7 +31,8 @@ F16_NAN, F16_INF = np.uint16(0x7E00), np.uint16(0x7C00)
 
 def quantized_case(kind, seed, *, lens, H, KVH, D, block_size, max_blocks, num_blocks, Q=None):
     """q and an 8-bit pool (numpy) with each sequence's tokens in random blocks, garbage values
-    elsewhere, and a NaN (K) or Inf (V) scale in every slot no sequence uses (the null block too)."""
+    elsewhere, and a NaN (K) or Inf (V) scale in every slot no sequence uses (the null block too); or
+    a bfloat16 pool (kind "bfloat16": its bits in uint16) with NaN (K) and Inf (V) values there."""
     q, k, v, tables, lens = make_case(seed, lens=lens, H=H, KVH=KVH, D=D, block_size=block_size,
                                       max_blocks=max_blocks, num_blocks=num_blocks, stale_tables=True, Q=Q)
     storage = kv_quant.storage_dtype(kind, "float32")
@@ -40,13 +41,19 @@ def quantized_case(kind, seed, *, lens, H, KVH, D, block_size, max_blocks, num_b
     for s, n in enumerate(lens):
         for t in range(n):
             used[tables[s, t // block_size], t % block_size] = True
-    for cache, bad in ((kq, F16_NAN), (vq, F16_INF)):
-        cache[..., D:].view(np.uint16)[~used] = bad
+    for cache, bad, bf16_bad in ((kq, F16_NAN, 0x7FC0), (vq, F16_INF, 0x7F80)):
+        if kind == "bfloat16":
+            cache[~used] = bf16_bad
+        else:
+            cache[..., D:].view(np.uint16)[~used] = bad
     return q, kq, vq, tables, lens
 
 
 def numpy_dequantize(cache, d):
-    """kv_quant's layout decoded in numpy: values (int8, or fp8 e4m3 bits) times the float16 scale."""
+    """kv_quant's layout decoded in numpy: values (int8, or fp8 e4m3 bits) times the float16 scale;
+    a bfloat16 cache's bits (uint16) as their values."""
+    if cache.dtype == np.uint16:
+        return np.asarray(cache).view(ml_dtypes.bfloat16).astype(np.float64)
     values = cache[..., :d].view(ml_dtypes.float8_e4m3fn) if cache.dtype == np.uint8 else cache[..., :d]
     scale = np.ascontiguousarray(cache[..., d:]).view(np.float16)[..., 0]
     with np.errstate(invalid="ignore"):  # an unused slot's Inf scale times a 0 value
@@ -66,7 +73,7 @@ def jitted(kernel, **kw):
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "bfloat16"])
 def test_pallas_decode_reads_an_8bit_cache(kind, variant):
     """GQA (2 query heads per KV head), ragged lengths (1, mid-block, a block boundary, the maximum, a
     padded row), random tables with stale entries; the window case also splits into 16-token partitions."""
@@ -102,7 +109,7 @@ def test_pallas_decode_with_bfloat16_queries_over_an_int8_cache():
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "bfloat16"])
 def test_pallas_prefill_reads_an_8bit_cache(kind, variant):
     """Three query heads per KV head (padded to 4), queries after a cached prefix, a whole prompt, a
     one-query row (a decode) and a padded row."""
@@ -155,6 +162,19 @@ def test_engine_step_lowers_for_cuda_with_pallas_over_an_8bit_cache(tiny_llama_d
         assert "__gpu$xla.gpu.triton" in text and "paged_jax_paged_attention" not in text, shape
 
 
+def test_pallas_kernels_lower_for_cuda_over_a_bfloat16_cache_in_its_bits():
+    """kv_cache_dtype="bfloat16" beside float32 weights: uint16 caches, widened in the kernels."""
+    S, H, KVH, D, nb, bs, mb = 4, 16, 4, 128, 64, 16, 16
+    cache = sds((nb, bs, KVH, D), kv_quant.storage_dtype("bfloat16", "float32"))
+    assert cache.dtype == jnp.uint16
+    tables, lens = sds((S, mb), jnp.int32), sds((S,), jnp.int32)
+    decode = functools.partial(paged_decode_attention, partition_size=64, interpret=False)
+    assert "__gpu$xla.gpu.triton" in lower_for_cuda(decode, sds((S, H, D), "float32"), cache, cache, tables, lens, 0.125)
+    prefill = functools.partial(paged_prefill_attention, interpret=False)
+    text = lower_for_cuda(prefill, sds((S, 32, H, D), "float32"), cache, cache, tables, lens, lens, 0.125)
+    assert "__gpu$xla.gpu.triton" in text
+
+
 def test_pallas_kernels_refuse_an_8bit_cache_without_room_for_the_scale():
     q = jnp.zeros((2, 4, 16), jnp.float32)
     cache = jnp.zeros((4, 8, 2, 16), jnp.int8)  # head_dim bytes only
@@ -168,7 +188,7 @@ needs_native = pytest.mark.skipif(not native.available(), reason=f"native kernel
 
 
 @needs_native
-@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("kind", [*KINDS, "bfloat16"])
 def test_native_decode_reads_an_8bit_cache(kind):
     D, scale = 64, 0.125  # 64: the kernel's unrolled head size
     q, kq, vq, tables, lens = quantized_case(kind, 6, lens=[1, 37, 16, 0, 64, 50], H=8, KVH=2, D=D, block_size=16,
@@ -215,7 +235,8 @@ def test_backends_take_8bit_caches(backend, kind):
     assert select_backend(backend, [spec], kind).name == backend
 
 
-@pytest.mark.parametrize("backend, kind", [("pallas-interpret", "int8"), ("native", "fp8"),
+@pytest.mark.parametrize("backend, kind", [("pallas-interpret", "int8"), ("native", "fp8"), ("native", "bfloat16"),
+                                           ("pallas-interpret", "bfloat16"),
                                            pytest.param("pallas-interpret", "fp8", marks=pytest.mark.slow)])
 def test_engine_over_an_8bit_cache_matches_reference_greedy(tiny_llama_dir, backend, kind):
     """The kernels over the 8-bit cache (chunked prefill: prefill chunks beside decodes; both Pallas

@@ -46,8 +46,8 @@ def ragged_case(rng, H, KVH, D, block_size, query_lens, contexts, num_blocks=Non
 
 
 def quantized_cache(k, v, dtype="int8"):
-    """K/V (NaN and +inf zeroed) stored in an 8-bit cache of kv_quant's layout, and the K/V a reader of
-    that cache sees (the oracle's): ``(k, v, k_seen, v_seen)``."""
+    """K/V (NaN and +inf zeroed) stored in an 8-bit cache of kv_quant's layout (or a bfloat16 one, its
+    bits in uint16), and the K/V a reader of that cache sees (the oracle's): ``(k, v, k_seen, v_seen)``."""
     D = k.shape[-1]
     k, v = (kv_quant.quantize(jnp.asarray(np.nan_to_num(x, nan=0, posinf=0)), kv_quant.storage_dtype(dtype, "float32"))
             for x in (k, v))
@@ -193,8 +193,8 @@ def test_decode_rows_are_the_decode_kernel():
 
 
 def cache_dtype_case(dtype):
-    """A ragged step in bfloat16 (queries and caches) or over an 8-bit cache: (the kernel's arguments,
-    the oracle's output, the tolerance)."""
+    """A ragged step in bfloat16 (queries and caches), float32 queries over a bfloat16 cache ("bfloat16
+    cache") or over an 8-bit cache: (the kernel's arguments, the oracle's output, the tolerance)."""
     H, KVH, D, bs = 8, 2, 64, 16
     rng = np.random.default_rng(7)
     q, k, v, tables, lens, starts, qlens = ragged_case(rng, H, KVH, D, bs, [1, 40, 1, 100], [30, 40, 120, 260])
@@ -203,6 +203,10 @@ def cache_dtype_case(dtype):
         q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
         want = oracle(*(np.asarray(x, np.float32) for x in (q, k, v)), tables, lens, starts, qlens, 0.125)
         tol = 1e-2  # a bfloat16 output
+    elif dtype == "bfloat16 cache":
+        k, v, k_seen, v_seen = quantized_cache(k, v, "bfloat16")
+        want = oracle(q, k_seen, v_seen, tables, lens, starts, qlens, 0.125)
+        tol = 1e-5
     else:
         k, v, k_seen, v_seen = quantized_cache(k, v, dtype)
         want = oracle(q, k_seen, v_seen, tables, lens, starts, qlens, 0.125)
@@ -210,14 +214,34 @@ def cache_dtype_case(dtype):
     return (q, k, v, tables, lens, starts, qlens, 0.125), want, tol
 
 
-@pytest.mark.parametrize("dtype", ["bfloat16", "int8", "fp8"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "bfloat16 cache", "int8", "fp8"])
 def test_ragged_step_in_every_cache_dtype(dtype):
-    """bfloat16 queries and caches (the oracle reads the rounded values), or float32 queries over an
-    8-bit cache in kv_quant's layout (the oracle reads the dequantized values)."""
+    """bfloat16 queries and caches (the oracle reads the rounded values), float32 queries over a
+    bfloat16 cache (kv_cache_dtype="bfloat16": the oracle reads the rounded values) or over an 8-bit
+    cache in kv_quant's layout (the oracle reads the dequantized values)."""
     args, want, tol = cache_dtype_case(dtype)
     got = native.paged_attention(*args)
     assert got.dtype == args[0].dtype
     np.testing.assert_allclose(np.asarray(got, np.float32), want, rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("H,KVH,D,block_size", SHAPES)
+def test_a_bfloat16_cache_reads_as_its_float32_widening(H, KVH, D, block_size):
+    """float32 queries over a bfloat16 cache (kv_cache_dtype="bfloat16" beside float32 weights) give,
+    bit for bit, what the float32 kernel gives over the same values widened to float32, in both ways
+    of scoring a block (a dot product a key for a head with few rows, transposed keys or query tiles
+    for many) and in heads of 64, 128 and 20 (the unrolled and the any-size loops); and the oracle's
+    numbers over those values."""
+    rng = np.random.default_rng(D + KVH)
+    q, k, v, tables, lens, starts, qlens = ragged_case(rng, H, KVH, D, block_size, [1, 1, 40, 3, 0], [1, 90, 40, 300, 3])
+    k16, v16, k_seen, v_seen = quantized_cache(k, v, "bfloat16")
+    assert k16.dtype == jnp.uint16  # the cache's layout: bfloat16 bits
+    got = native.paged_attention(q, k16, v16, tables, lens, starts, qlens, 0.25)
+    assert got.dtype == jnp.float32
+    wide = native.paged_attention(q, jnp.asarray(k_seen), jnp.asarray(v_seen), tables, lens, starts, qlens, 0.25)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(wide))
+    want = oracle(q, k_seen, v_seen, tables, lens, starts, qlens, 0.25)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-5)
 
 
 def test_rows_outside_the_queries_or_overlapping_are_refused():
@@ -237,7 +261,7 @@ PORTABLE_CHECK = """
 import json
 import numpy as np
 from paged_jax import native
-from tests.test_native_ragged import SHAPES, cache_dtype_case, oracle, ragged_case, window_cap_case
+from tests.test_native_ragged import SHAPES, cache_dtype_case, oracle, quantized_cache, ragged_case, window_cap_case
 assert native.available(), native.status()
 checks = []  # (case, largest error, tolerance)
 for H, KVH, D, bs in SHAPES:
@@ -258,19 +282,25 @@ rng = np.random.default_rng(2)
 case = ragged_case(rng, 8, 8, 64, 16, [1, 16, 3], [4100, 4500, 2050])  # long rows, read in parts
 got = np.asarray(native.paged_attention(*case, 0.125))
 checks.append(("long rows in parts", float(np.abs(got - oracle(*case, 0.125)).max()), 2e-5))
-for dtype in ["bfloat16", "int8", "fp8"]:
+for dtype in ["bfloat16", "bfloat16 cache", "int8", "fp8"]:
     args, want, tol = cache_dtype_case(dtype)
     got = np.asarray(native.paged_attention(*args), np.float32)
     checks.append((f"{dtype} cache", float(np.abs(got - want).max()), tol))
+rng = np.random.default_rng(3)  # float32 decodes over a bfloat16 cache, one query head a KV head: a dot product a key
+q, k, v, tables, lens, starts, qlens = ragged_case(rng, 8, 8, 64, 16, [1, 1, 1], [1, 90, 300])
+k, v, k_seen, v_seen = quantized_cache(k, v, "bfloat16")
+got = np.asarray(native.paged_attention(q, k, v, tables, lens, starts, qlens, 0.125))
+checks.append(("bfloat16 cache, decodes", float(np.abs(got - oracle(q, k_seen, v_seen, tables, lens, starts, qlens,
+                                                                     0.125)).max()), 2e-5))
 print(json.dumps({"checks": checks, "status": native.status()}))
 """
 
 
 def _check_build(out):
-    assert {"attention float32", "attention bfloat16", "attention int8 cache",
+    assert {"attention float32", "attention bfloat16", "attention bfloat16 cache", "attention int8 cache",
             "attention fp8 cache"} <= set(out["status"]["traced"])
     bad = [(case, err, tol) for case, err, tol in out["checks"] if not err < tol]
-    assert len(out["checks"]) == 11 and not bad, bad
+    assert len(out["checks"]) == 13 and not bad, bad
 
 
 def test_avx2_path_without_avx512(tmp_path_factory):

@@ -26,7 +26,7 @@ from paged_jax.attention.split_step import SplitStep, as_ragged
 
 def write_kv(k_cache, v_cache, k, v, slot_mapping):
     """Scatter this step's K/V ([T, kv_heads, head_dim]) into their slots (quantized first into an
-    8-bit cache, see :mod:`paged_jax.attention.kv_quant`)."""
+    8-bit cache, or as bfloat16 bits into a uint16 one, see :mod:`paged_jax.attention.kv_quant`)."""
     if kv_quant.kind(k_cache) != "auto":
         k, v = kv_quant.quantize(k, k_cache.dtype), kv_quant.quantize(v, v_cache.dtype)
     if slot_mapping.shape[0] == 1:

@@ -210,7 +210,8 @@ class NativeBackend:
     """The C++ CPU kernel (``paged_jax/native``, :func:`paged_jax.native.paged_attention`) for a
     whole ragged step.
 
-    float32 or bfloat16 caches, or an 8-bit one (``kv_cache_dtype="int8" | "fp8"``), on a CPU where the
+    float32 or bfloat16 caches, a bfloat16 one beside float32 weights (``kv_cache_dtype="bfloat16"``, its bits in
+    uint16) or an 8-bit one (``kv_cache_dtype="int8" | "fp8"``), on a CPU where the
     kernel builds; the spec's sliding window, soft-cap and sinks are the kernel's arguments."""
 
     name = "native"

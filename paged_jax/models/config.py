@@ -69,7 +69,7 @@ class ModelConfig:
     final_logit_softcap: Optional[float] = None  # logits -> cap * tanh(logits / cap) (Gemma 2)
     # Mixture-of-experts layers: a paged_jax.models.moe.MoEConfig (None: dense)
     moe: Optional[Any] = None
-    kv_cache_dtype: str = "auto"  # "int8" | "fp8": the engine's KV cache quantized (paged_jax.attention.kv_quant)
+    kv_cache_dtype: str = "auto"  # "bfloat16", "int8" | "fp8": the engine's KV cache (paged_jax.attention.kv_quant)
     native_norm: bool = False  # RMS norms in the native CPU kernel (set where the engine loads the model)
     # Token ids
     bos_token_id: Optional[int] = None

@@ -40,8 +40,8 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     which sees that row's keys up to its position (and, with ``sliding_window``, after its position
     less the window; ``logit_soft_cap``: scores become ``cap * tanh(scores / cap)``; ``sinks``: float32 ``[H]``
     sink logits, one more term ``exp(sink)`` in each softmax's denominator). Returns ``[T, H, D]``; tokens no row owns are
-    zeros. float32 or bfloat16, one dtype for all three, or 8-bit caches (int8 or fp8) in kv_quant's
-    layout with any query dtype; float32 arithmetic."""
+    zeros. float32 or bfloat16, one dtype for all three; or, with any query dtype, bfloat16 caches held
+    as their bits in uint16 or 8-bit caches (int8 or fp8), in kv_quant's layouts; float32 arithmetic."""
     import jax
     import jax.numpy as jnp
 
@@ -77,9 +77,15 @@ def paged_attention(q, k_cache, v_cache, block_tables, context_lens, query_start
     if k_cache.shape[3] != D or H % KVH:
         raise ValueError(f"paged_attention: {H} query heads of {D} need kv_heads dividing {H} and head_dim {D}; got "
                          f"k {k_cache.shape}")
+    if k_cache.dtype == v_cache.dtype == jnp.uint16:  # bfloat16 bits (kv_cache_dtype="bfloat16", kv_quant)
+        build.trace("attention bfloat16 cache")
+        out = jax.ffi.ffi_call(build.WIDENED_ATTENTION_TARGET[0], jax.ShapeDtypeStruct(q.shape, jnp.float32))(
+            q.astype(jnp.float32), k_cache, v_cache, *rows, sinks, **attrs)
+        return out.astype(q.dtype)
     dtype = _dtype(q, k_cache, v_cache)
     if dtype is None:
-        raise ValueError(f"paged_attention takes {' or '.join(build.TARGETS)} for q and both caches alike; got "
+        raise ValueError(f"paged_attention takes {' or '.join(build.TARGETS)} for q and both caches alike (or "
+                         f"uint16 / int8 / uint8 caches in kv_quant's layouts); got "
                          f"{q.dtype}, {k_cache.dtype}, {v_cache.dtype}")
     build.trace(f"attention {dtype}")
     return jax.ffi.ffi_call(build.TARGETS[dtype][0], jax.ShapeDtypeStruct(q.shape, q.dtype))(

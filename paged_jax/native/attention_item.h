@@ -228,7 +228,7 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64_
           vr[t] = val;
         } else {  // 8-bit or bfloat16: this head's values as float32 once, for all its rows
           const float vs = EntryScale(val, D);
-          for (int64_t d = 0; d < D; ++d) vf[t * D + d] = ToFloat(val[d]) * vs;
+          Widen(val, vs, vf + t * D, D);
           vr[t] = vf + t * D;
         }
       }

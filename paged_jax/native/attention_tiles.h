@@ -254,12 +254,12 @@ void AttendTiles(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64
         // for them), as float32 (times their scale in an 8-bit cache); the values in place in a
         // float cache, else as float32 once for all the head's groups.
         const float ks = EntryScale(key, D);
-        for (int64_t d = 0; d < D; ++d) kf[t * D + d] = ToFloat(key[d]) * ks;
+        Widen(key, ks, kf + t * D, D);
         if constexpr (kFloatCache) {
           vp[t] = val;
         } else {
           const float vs = EntryScale(val, D);
-          for (int64_t d = 0; d < D; ++d) vf[t * D + d] = ToFloat(val[d]) * vs;
+          Widen(val, vs, vf + t * D, D);
           vp[t] = vf + t * D;
         }
       }

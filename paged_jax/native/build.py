@@ -30,6 +30,8 @@ TARGETS = {"float32": ("paged_jax_paged_attention_f32", "PagedAttentionF32"),
 # by the cache array's dtype: int8 values, or fp8 e4m3 bits in uint8
 QUANTIZED_ATTENTION_TARGETS = {"int8": ("paged_jax_paged_attention_q8", "PagedAttentionQ8"),
                             "uint8": ("paged_jax_paged_attention_fp8", "PagedAttentionFp8")}
+# float32 queries and output over a bfloat16 cache held as uint16 bits (kv_cache_dtype="bfloat16", kv_quant)
+WIDENED_ATTENTION_TARGET = ("paged_jax_paged_attention_f32_bf16", "PagedAttentionF32BF16")
 LINEAR_TARGET = ("paged_jax_linear_f32", "LinearF32")
 SUM_TARGET = ("paged_jax_sum_f32", "SumF32")
 # quantized weights against float32 activations, by the panels' dtype (uint8: int4, two to a byte)
@@ -60,7 +62,8 @@ _state: dict = {}
 # set each runs is fixed when the library is built (see paths()): together they say what a test run
 # exercised on the CPU it landed on.
 _traced: set = set()
-KERNELS = ("attention float32", "attention bfloat16", "attention int8 cache", "attention fp8 cache", "linear float32",
+KERNELS = ("attention float32", "attention bfloat16", "attention bfloat16 cache", "attention int8 cache",
+           "attention fp8 cache", "linear float32",
            "linear int8", "linear int4", "linear fp8", "linear int8 x int8", "linear int4 x int8",
            "linear grouped float32", "rms norm float32")
 CPU_ISA = ("avx2", "avx512f", "avx512_vnni")  # the extensions the kernels' paths are chosen by
@@ -129,7 +132,8 @@ def available() -> bool:
                 if not path.is_file():
                     _build(path)
                 lib = ctypes.cdll.LoadLibrary(str(path))
-                for target, symbol in (*TARGETS.values(), *QUANTIZED_ATTENTION_TARGETS.values(), LINEAR_TARGET, SUM_TARGET,
+                for target, symbol in (*TARGETS.values(), *QUANTIZED_ATTENTION_TARGETS.values(), WIDENED_ATTENTION_TARGET,
+                                       LINEAR_TARGET, SUM_TARGET,
                                        *QUANTIZED_TARGETS.values(), INT8_TARGET, INT4_TARGET, GROUPED_TARGET,
                                        RMS_NORM_TARGET):
                     jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(lib, symbol)), platform="cpu")

@@ -210,6 +210,18 @@ ffi::Error Impl(ffi::ThreadPool pool, ffi::Buffer<DT> q, ffi::Buffer<DT> k, ffi:
              Rows{bt, lens, starts, qlens}, scale, window, soft_cap, sinks, out->typed_data(), 0);
 }
 
+// float32 queries and output over a bfloat16 cache held as its bits in uint16 (kv_cache_dtype="bfloat16"
+// beside float32 weights, paged_jax.attention.kv_quant: half the bytes a step reads from the cache, each
+// entry widened to float32 as it is read).
+ffi::Error ImplF32Bf16(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::U16> k,
+                       ffi::Buffer<ffi::U16> v, ffi::Buffer<ffi::S32> bt, ffi::Buffer<ffi::S32> lens,
+                       ffi::Buffer<ffi::S32> starts, ffi::Buffer<ffi::S32> qlens, ffi::Buffer<ffi::F32> sinks,
+                       float scale, int64_t window, float soft_cap, ffi::ResultBuffer<ffi::F32> out) {
+  return Run(pool, q.typed_data(), q.dimensions(), reinterpret_cast<const uint16_t*>(k.typed_data()),
+             reinterpret_cast<const uint16_t*>(v.typed_data()), k.dimensions(), v.dimensions(),
+             Rows{bt, lens, starts, qlens}, scale, window, soft_cap, sinks, out->typed_data(), 0);
+}
+
 // float32 queries over an int8 cache with a float16 scale per token and head (kv_quant's layout).
 ffi::Error ImplQ8(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> q, ffi::Buffer<ffi::S8> k, ffi::Buffer<ffi::S8> v,
                   ffi::Buffer<ffi::S32> bt, ffi::Buffer<ffi::S32> lens, ffi::Buffer<ffi::S32> starts,
@@ -261,6 +273,7 @@ extern "C" int PagedJaxAttentionIsa() {
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionF32, Impl<ffi::F32>, PAGED_ATTENTION_BINDING(ffi::F32, ffi::F32));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionBF16, Impl<ffi::BF16>, PAGED_ATTENTION_BINDING(ffi::BF16, ffi::BF16));
-// float32 queries and output over an 8-bit cache
+// float32 queries and output over a bfloat16 cache, or an 8-bit one
+XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionF32BF16, ImplF32Bf16, PAGED_ATTENTION_BINDING(ffi::F32, ffi::U16));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionQ8, ImplQ8, PAGED_ATTENTION_BINDING(ffi::F32, ffi::S8));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(PagedAttentionFp8, ImplFp8, PAGED_ATTENTION_BINDING(ffi::F32, ffi::U8));
