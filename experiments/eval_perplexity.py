@@ -76,7 +76,7 @@ def main(argv=None):
     ap.add_argument("--no-hf", action="store_true", help="skip the transformers check")
     ap.add_argument("--rtol", type=float, default=1e-3)
     ap.add_argument("--quantization", nargs="*", default=[], help="compare these on-load methods (int8, w8a8, fp8)")
-    ap.add_argument("--kv-cache-dtype", nargs="*", default=[], help="compare these KV cache dtypes (int8, fp8)")
+    ap.add_argument("--kv-cache-dtype", nargs="*", default=[], help="compare these KV cache dtypes (bfloat16, int8, fp8)")
     a = ap.parse_args(argv)
     from transformers import AutoTokenizer
 
