@@ -212,8 +212,8 @@ def test_a_bfloat16_cache_holds_twice_the_blocks_in_its_bits_and_keeps_the_defau
     """kv_cache_dtype="bfloat16" beside the default model's float32 weights: 2 bytes a value instead of
     4 (twice the blocks in the same memory), the cache a uint16 array of bfloat16 bits (an integer
     scatter writes a step's slots; a bfloat16 one XLA:CPU widens, the whole cache converted a layer),
-    read by the native kernel where it builds; the same greedy tokens as the float32 cache, also under
-    swap and recompute preemption and with cached prefixes."""
+    read by the native kernel where it builds; the same greedy tokens as the float32 cache (under swap,
+    recompute and cached prefixes: below)."""
     memory = dict(cpu_kv_cache_space=0.04)  # GiB, the same for both
     llm_f, want = _tokens(**memory)
     llm_b, got = _tokens(kv_cache_dtype="bfloat16", **memory)
@@ -223,15 +223,6 @@ def test_a_bfloat16_cache_holds_twice_the_blocks_in_its_bits_and_keeps_the_defau
     assert k.dtype == jnp.uint16 and k.shape[-1] == llm_b.llm_engine.runner.config.head_dim
     assert llm_b.llm_engine.runner.attention_backend == ("native" if native.available() else "reference")
     assert got == want
-    for mode in ("swap", "recompute"):
-        llm, got = _tokens(kv_cache_dtype="bfloat16", block_size=4, num_kv_blocks=30, preemption_mode=mode)
-        assert llm.llm_engine.scheduler.num_preemptions[mode] > 0
-        assert got == want
-    llm = LLM(max_model_len=256, kv_cache_dtype="bfloat16", enable_prefix_caching=True, block_size=4)
-    sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    first = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
-    again = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sp, use_tqdm=False)]  # cached prefixes
-    assert first == want and again == want
 
 
 def test_a_bfloat16_cache_beside_bfloat16_weights_is_the_models_own():
@@ -240,13 +231,14 @@ def test_a_bfloat16_cache_beside_bfloat16_weights_is_the_models_own():
     assert kv_quant.bytes_per_token_head(64, "bfloat16", 4) == 128 and kv_quant.cache_head_dim(64, "bfloat16") == 64
 
 
-def test_an_8bit_cache_survives_swap_recompute_and_prefix_sharing():
-    _, want = _tokens(kv_cache_dtype="int8")
+@pytest.mark.parametrize("kind", ["int8", "bfloat16"])
+def test_an_8bit_or_bfloat16_cache_survives_swap_recompute_and_prefix_sharing(kind):
+    _, want = _tokens(kv_cache_dtype=kind)
     for mode in ("swap", "recompute"):
-        llm, got = _tokens(kv_cache_dtype="int8", block_size=4, num_kv_blocks=30, preemption_mode=mode)
+        llm, got = _tokens(kv_cache_dtype=kind, block_size=4, num_kv_blocks=30, preemption_mode=mode)
         assert llm.llm_engine.scheduler.num_preemptions[mode] > 0
         assert got == want
-    llm = LLM(max_model_len=256, kv_cache_dtype="int8", enable_prefix_caching=True, block_size=4)
+    llm = LLM(max_model_len=256, kv_cache_dtype=kind, enable_prefix_caching=True, block_size=4)
     sp = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
     first = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sp, use_tqdm=False)]
     again = [list(o.outputs[0].token_ids) for o in llm.generate(PROMPTS, sp, use_tqdm=False)]  # cached prefixes
