@@ -113,6 +113,15 @@ inline void FromFloat(float x, uint16_t* out) {  // round to nearest even, as XL
   *out = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
+#if defined(PAGED_JAX_ATTENTION_AVX2)
+// The sum of a vector's 8 lanes, added as a tree.
+inline float Sum8(__m256 acc) {
+  const __m128 x = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+  const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
+}
+#endif
+
 // kD > 0: the head dimension known when compiling (fully unrolled); 0: any, read from n.
 // A float cache's head of a multiple of 16 (8 with AVX2) sums in one vector and adds its lanes as a
 // tree: the plain loop's lanes were added one after another (GCC keeps the order: 16 dependent adds
@@ -135,16 +144,12 @@ inline float Dot(const float* a, const T* b, int64_t n) {
   if constexpr (std::is_same_v<T, float> && kD > 0 && kD % 8 == 0) {
     __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
     for (int i = 8; i < kD; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-    const __m128 x = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    return _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
+    return Sum8(acc);
   }
   if constexpr (std::is_same_v<T, uint16_t> && kD > 0 && kD % 8 == 0) {  // bfloat16, widened in registers
     __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), LoadBf16x8(b));
     for (int i = 8; i < kD; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), LoadBf16x8(b + i), acc);
-    const __m128 x = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
-    const __m128 y = _mm_add_ps(x, _mm_movehl_ps(x, x));
-    return _mm_cvtss_f32(_mm_add_ss(y, _mm_movehdup_ps(y)));
+    return Sum8(acc);
   }
 #endif
   float s = 0.f;
