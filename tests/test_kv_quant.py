@@ -231,7 +231,7 @@ def test_a_bfloat16_cache_beside_bfloat16_weights_is_the_models_own():
     assert kv_quant.bytes_per_token_head(64, "bfloat16", 4) == 128 and kv_quant.cache_head_dim(64, "bfloat16") == 64
 
 
-@pytest.mark.parametrize("kind", ["int8", "bfloat16"])
+@pytest.mark.parametrize("kind", ["int8", pytest.param("bfloat16", marks=pytest.mark.slow)])  # (28 s each)
 def test_an_8bit_or_bfloat16_cache_survives_swap_recompute_and_prefix_sharing(kind):
     _, want = _tokens(kv_cache_dtype=kind)
     for mode in ("swap", "recompute"):
