@@ -6,7 +6,7 @@ the same cache array.
 
 A bfloat16 cache beside weights of another dtype holds the bfloat16 bits in uint16 (as an fp8 one holds
 its bits in uint8): XLA:CPU widens a bfloat16 scatter to float32, and converted the whole cache there and
-back in every layer of every step (a second a step); an integer scatter writes the slots alone, and a
+back in every layer of every step (seconds a step); an integer scatter writes the slots alone, and a
 bitcast of the whole array is a copy there too, so the readers convert what they gathered. (Beside
 bfloat16 weights ``"bfloat16"`` is ``"auto"``: a bfloat16 array.)
 
