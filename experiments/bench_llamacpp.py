@@ -38,8 +38,9 @@ samples nothing, so the batch-1 table then sets paged-jax's sampled decode again
 KV caches alike on both sides: llama.cpp keeps its KV cache in float16 unless told otherwise, and
 paged-jax then runs ``kv_cache_dtype="bfloat16"`` (16 bits each, widened to float32 as the attention
 reads them); ``--cache-type-kv f32`` gives llama-server a float32 cache (``-ctk f32 -ctv f32``) and
-paged-jax the model's float32 (``"auto"``); llama-bench takes no float32 cache and keeps its f16. ``--kv-cache-dtype`` sets paged-jax's instead, one
-column each (``--kv-cache-dtype auto bfloat16``: both caches side by side). ``--max-num-batched-tokens
+paged-jax the model's float32 (``"auto"``); llama-bench takes no float32 cache and keeps its f16.
+``--kv-cache-dtype`` sets paged-jax's instead, one column each (``--kv-cache-dtype auto bfloat16``: both
+caches side by side). ``--max-num-batched-tokens
 N`` sets paged-jax's token budget per step (default: the engine's, ``max(max_num_seqs, 256)`` with chunked
 prefill; llama-server's own default is a 2,048-token batch in micro-batches of 512). ``--formats`` runs a
 subset of the three formats.
@@ -67,10 +68,10 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-LLAMA_CPP_PYTHON = "0.3.36"
+LLAMA_CPP_PYTHON = "0.3.36"  # the sdist whose vendored llama.cpp is built
 # paged-jax's kv_cache_dtype beside llama.cpp's cache type: 16 bits against 16 (llama.cpp's default f16
 # beside bfloat16: the kernels widen either to float32 as they read it), float32 against float32
-LIKE_CACHE_TYPE = {"f16": "bfloat16", "f32": "auto"}  # the sdist whose vendored llama.cpp is built
+LIKE_CACHE_TYPE = {"f16": "bfloat16", "f32": "auto"}
 TOOLS = ("llama-bench", "llama-server", "llama-quantize")
 CMAKE_ISA = {"native": ["-DGGML_NATIVE=ON"],
              "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
@@ -327,7 +328,7 @@ def main(argv=None):
           + "token budget "
           + (str(a.max_num_batched_tokens) if a.max_num_batched_tokens else "the engine's default") + "\n")
     t = "/".join(map(str, a.llama_threads))
-    ours = "".join(f" paged-jax, {_column(v)[len('paged-jax '):]} | over it |" for v in variants)
+    ours = "".join(f" paged-jax, {_label(v)} | over it |" for v in variants)
     rule = "|---|---:|" + "---:|---:|" * len(variants)
     print(f"| batch-1 decode, {PROMPT}-token context, tokens/s | llama.cpp (llama-bench -t {t}) |{ours}")
     print(rule)
@@ -344,14 +345,19 @@ def main(argv=None):
               + _ratios(best, "batch", n, variants))
     for v in variants if temp == 0 and "float32" in formats else ():  # sampled outputs differ by design
         same = sum(x == y for x, y in zip(tokens["llama.cpp", "float32"], tokens[_column(v), "float32"]))
-        print(f"\nfloat32, {_column(v)[len('paged-jax '):]}: {same} of {REQUESTS} requests' {OUT_LEN} greedy tokens "
+        print(f"\nfloat32, {_label(v)}: {same} of {REQUESTS} requests' {OUT_LEN} greedy tokens "
               f"the same on both engines")
 
 
-def _column(variant: tuple) -> str:
-    """A paged-jax column's name: its num_scheduler_steps and kv_cache_dtype."""
+def _label(variant: tuple) -> str:
+    """A paged-jax variant's options: its num_scheduler_steps and kv_cache_dtype."""
     k, kv = variant
-    return f"paged-jax num_scheduler_steps={k}, kv_cache_dtype={kv}"
+    return f"num_scheduler_steps={k}, kv_cache_dtype={kv}"
+
+
+def _column(variant: tuple) -> str:
+    """A paged-jax column's name (its cells' key)."""
+    return f"paged-jax {_label(variant)}"
 
 
 def _ratios(best: dict, kind: str, fmt: str, variants: list) -> str:

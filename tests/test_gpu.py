@@ -111,7 +111,7 @@ def make_inputs(q_dtype: str, cache: str, heads: str, Q: int | None):
     H = HEADS[heads]
     shape = dict(lens=LENS, H=H, KVH=KVH, D=D, block_size=BLOCK, max_blocks=MAX_BLOCKS, num_blocks=NUM_BLOCKS, Q=Q)
     seed = sum(map(ord, q_dtype + cache + heads)) + (Q or 0)
-    if cache in ("int8", "fp8") or cache == "bfloat16" != q_dtype:
+    if cache in ("int8", "fp8") or (cache == "bfloat16" and q_dtype != "bfloat16"):  # kv_quant's layouts
         q, k, v, tables, lens = quantized_case(cache, seed, **shape)
         # Unused slots decode to NaN / Inf (their scales): the kernel sees them raw; the oracle, which
         # never looks at them either, gets zeros there so that its own arithmetic stays finite.

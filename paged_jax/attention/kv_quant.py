@@ -42,7 +42,7 @@ def storage_dtype(kv_cache_dtype: str, model_dtype: str):
     """The cache array's dtype: the model's for ``"auto"``."""
     if kv_cache_dtype not in KV_CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
-    if kv_cache_dtype == "auto" or kv_cache_dtype == "bfloat16" and jnp.dtype(model_dtype) == jnp.bfloat16:
+    if kv_cache_dtype == "auto" or (kv_cache_dtype == "bfloat16" and jnp.dtype(model_dtype) == jnp.bfloat16):
         return jnp.dtype(model_dtype)
     return jnp.dtype(_STORAGE[kv_cache_dtype])
 
@@ -97,5 +97,5 @@ def dequantize(x, head_dim: int, dtype=jnp.float32) -> jax.Array:
     return (values.astype(jnp.float32) * scale.astype(jnp.float32)[..., None]).astype(dtype)
 
 
-__all__ = ["KV_CACHE_DTYPES", "QUANTIZED", "SCALE_BYTES", "storage_dtype", "cache_head_dim", "bytes_per_token_head", "kind",
-           "quantize", "dequantize"]
+__all__ = ["KV_CACHE_DTYPES", "QUANTIZED", "SCALE_BYTES", "storage_dtype", "cache_head_dim", "bytes_per_token_head",
+           "kind", "quantize", "dequantize"]
