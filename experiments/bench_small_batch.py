@@ -2,6 +2,7 @@
 roofline floor, for this checkout and an earlier revision side by side in one run.
 
     python experiments/bench_small_batch.py [--before REV] [--batches 1,4] [--models tiny,124m]
+                                            [--quantization int4] [--kv-cache-dtype bfloat16]
 
 Models: ``tiny`` is the GPT-2-shaped model of the issue (512 wide, 8 layers, 8 heads, vocabulary
 1,024 asked, 703 in its tokenizer, random, float32); ``llama`` the LLaMA that ``bench_llamacpp.py``
@@ -18,7 +19,9 @@ runs in the same child also send them through the sampler instead, the path befo
 the next decode step ahead (``paged_jax.executor.run_ahead``) runs also go without; the paths take turns
 run by run, and the last three columns are the median step times of each path's runs in that child. The floor is ``experiments/roofline.py``'s: the larger of FLOPs over the
 matmul rate and bytes (weights, K/V at the mean context, logits) over the read bandwidth, both
-measured in this run; "of floor" is floor / step time.
+measured in this run; "of floor" is floor / step time (float32 weights only: with ``--quantization``
+the columns say "-"). ``--quantization`` and ``--kv-cache-dtype`` are passed to ``LLM`` (default: the
+model's float32 weights and cache).
 
 The revisions alternate, ``--repeats`` times each, and the best figure of each is kept (a shared
 machine only slows a run down). ``--before`` is checked out into a temporary git worktree.
@@ -79,7 +82,9 @@ def child(tree: str, model: str, batches: list[int], a) -> dict:
     from paged_jax.executor.batch import SeqChunk, prepare_batch
 
     assert Path(__import__("paged_jax").__file__).resolve().is_relative_to(Path(tree).resolve())
-    llm = LLM(model, seed=0, max_model_len=a.prompt_len + a.output_len)
+    # Only options given: an earlier revision may not know them.
+    options = {k: v for k, v in (("quantization", a.quantization), ("kv_cache_dtype", a.kv_cache_dtype)) if v}
+    llm = LLM(model, seed=0, max_model_len=a.prompt_len + a.output_len, **options)
     engine = llm.llm_engine
     runner = engine.runner
     vocab = engine.model_config.vocab_size
@@ -174,6 +179,8 @@ def main(argv=None):
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--runs", type=int, default=3, help="timed runs per batch size in a child; the fastest is kept")
     ap.add_argument("--repeats", type=int, default=2, help="children per revision and model, alternating")
+    ap.add_argument("--quantization", default=None, help="LLM's quantization (e.g. int8, int4); default none")
+    ap.add_argument("--kv-cache-dtype", default=None, help="LLM's kv_cache_dtype (e.g. bfloat16); default the model's")
     ap.add_argument("--child", nargs=3, metavar=("TREE", "MODEL", "BATCHES"), help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
     if a.child:
@@ -203,6 +210,8 @@ def main(argv=None):
                     cmd = [sys.executable, __file__, "--child", tree, model, ",".join(map(str, a.batches)),
                            "--prompt-len", str(a.prompt_len), "--output-len", str(a.output_len),
                            "--runs", str(a.runs)]
+                    cmd += ["--quantization", a.quantization] if a.quantization else []
+                    cmd += ["--kv-cache-dtype", a.kv_cache_dtype] if a.kv_cache_dtype else []
                     for b, r in child_result(cmd, f"{rev} {name}").items():
                         print(name, rev, rep, b, {k: v if v is None else round(v, 3) for k, v in r.items()}, file=sys.stderr,
                               flush=True)
@@ -213,9 +222,10 @@ def main(argv=None):
                         best["step_alone_ms"] = alone
         rate, bw = machine_limits(10)
         context = a.prompt_len + a.output_len // 2
-        floor = {name: floors(model, a.batches, context, rate, bw) for name, model in models.items()}
+        floor = {name: floors(model, a.batches, context, rate, bw) if not a.quantization else dict.fromkeys(a.batches)
+                 for name, model in models.items()}
     print(f"before: {a.before}; after: this checkout. Decode steps, greedy, prompts of {a.prompt_len} tokens, "
-          f"{a.output_len} out; floor at context {context}: float32 matmul {rate / 1e9:.0f} GFLOP/s, "
+          f"{a.output_len} out; quantization {a.quantization}, kv_cache_dtype {a.kv_cache_dtype or 'auto'}; floor at context {context}: float32 matmul {rate / 1e9:.0f} GFLOP/s, "
           f"memory read {bw / 1e9:.1f} GB/s (measured now)\n")
     print("| model | batch | rev | tokens/s | step ms | of floor | schedule | prepare | device | sample | process "
           "| device idle ms | step alone ms | alone of floor | median step ms | median, greedy via the sampler "
@@ -224,13 +234,17 @@ def main(argv=None):
         for b in a.batches:
             for rev in trees:
                 r, f = results[(name, b, rev)], floor[name][b]
+                def of_floor(ms):
+                    return "-" if f is None else f"{100 * f / ms:.0f}%"
+
                 print(f"| {name} | {b} | {rev} | {r['tokens_per_s']:.0f} | {r['step_ms']:.2f} | "
-                      f"{100 * f / r['step_ms']:.0f}% | " + " | ".join(f"{r[k + '_ms']:.2f}" for k in PARTS)
-                      + f" | {r['idle_ms']:.2f} | {r['step_alone_ms']:.2f} | {100 * f / r['step_alone_ms']:.0f}% | "
+                      f"{of_floor(r['step_ms'])} | " + " | ".join(f"{r[k + '_ms']:.2f}" for k in PARTS)
+                      + f" | {r['idle_ms']:.2f} | {r['step_alone_ms']:.2f} | {of_floor(r['step_alone_ms'])} | "
                       + f"{r['median_ms']:.2f} | "
                       + (f"{r['median_via_sampler_ms']:.2f} |" if r.get("median_via_sampler_ms") else "- |")
                       + (f" {r['median_no_run_ahead_ms']:.2f} |" if r.get("median_no_run_ahead_ms") else " - |"))
-    print(f"\nfloor ms: " + ", ".join(f"{n} batch {b}: {floor[n][b]:.2f}" for n in models for b in a.batches))
+    if not a.quantization:
+        print("\nfloor ms: " + ", ".join(f"{n} batch {b}: {floor[n][b]:.2f}" for n in models for b in a.batches))
 
 
 if __name__ == "__main__":
