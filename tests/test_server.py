@@ -152,6 +152,7 @@ def test_idle_server_does_not_spin(server):
         fields = Path(f"/proc/{server.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
 
+    time.sleep(0.5)  # the last test's request settled (connections closed, a step run ahead dropped)
     before = cpu_seconds()
     time.sleep(1.0)
     assert cpu_seconds() - before < 0.2
@@ -395,8 +396,10 @@ async def _load(url: str, num_clients=64, num_disconnect=16, num_bad=8, num_impa
             return r.status_code, r.json()["error"]["param"]
 
         async def impatient(i):  # a non-streaming client that gives up: its request is aborted too
+            # Only the wait for the response is short: a client loop stalled for 0.3 s on a loaded
+            # machine would otherwise time out connecting or writing (not a ReadTimeout).
             with pytest.raises(httpx.ReadTimeout):
-                await http.post("/v1/completions", timeout=0.3, json={
+                await http.post("/v1/completions", timeout=httpx.Timeout(120, read=0.3), json={
                     "model": MODEL, "prompt": f"impatient {i}", "max_tokens": 1000, "ignore_eos": True})
             return "gave up"
 
@@ -430,8 +433,10 @@ def test_load_with_disconnects_frees_every_block(server):
         'paged_jax_request_success_total{finished_reason="length"}', 0)
     # The 16 streams that left are aborted; an impatient request is aborted unless it finished
     # first (the tiny model writes 1,000 tokens in well under a second when the batch empties;
-    # tests/test_async_engine.py checks the non-streaming abort deterministically).
-    assert 16 <= aborted <= 20 and done >= 48 and aborted + done == 16 + 4 + 48
+    # tests/test_async_engine.py checks the non-streaming abort deterministically), or never reached
+    # the engine: 76 requests arrive at once, and one whose client left before the server read its
+    # body is answered 400 without running.
+    assert 16 <= aborted <= 20 and done >= 48 and 16 + 48 <= aborted + done <= 16 + 4 + 48
     # The 16 streams that left did not run to their 600 tokens.
     generated = m["paged_jax_generation_tokens_total"] - before["paged_jax_generation_tokens_total"]
     assert generated < 48 * 16 + 16 * 600 / 2 + 4 * 1000
