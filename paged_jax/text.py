@@ -14,8 +14,8 @@ from paged_jax.sequence import Sequence, SequenceStatus
 def text_decoder(tokenizer):
     """``decode(ids, skip_special_tokens=...)`` for :func:`detokenize_incrementally`: the Rust tokenizer's
     own where transformers' ``decode`` only forwards to it (a fast tokenizer that cleans up no spaces
-    afterwards), the same text without transformers' wrapper around each call (2.5x faster in all, two
-    calls a token); else the tokenizer's ``decode``."""
+    afterwards), the same text without transformers' wrapper around each of its two calls a token (4.4
+    against 11 us a token with warm caches); else the tokenizer's ``decode``."""
     backend = getattr(tokenizer, "backend_tokenizer", None) if getattr(tokenizer, "is_fast", False) else None
     if backend is not None and getattr(tokenizer, "clean_up_tokenization_spaces", True) is False:
         return backend.decode

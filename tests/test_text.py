@@ -46,7 +46,7 @@ def test_a_fast_tokenizer_streams_through_its_own_decode_with_the_same_text(defa
     assert "" in pieces[:-1]  # a token ending inside a character waited for the rest of it
 
 
-def test_a_tokenizer_that_cleans_up_spaces_keeps_transformers_decode(tmp_path):
+def test_a_tokenizer_that_cleans_up_spaces_keeps_transformers_decode():
     """transformers removes the space before punctuation after decoding where a (WordPiece) tokenizer
     asks for it: the Rust decode alone would not, so that tokenizer keeps transformers' decode."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
