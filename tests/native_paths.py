@@ -8,11 +8,15 @@ portable loops by the slow checks (-mno-avx512f -mno-avx2 -mno-fma). The section
 the run checked (its extra flags, each kernel's path, the kernels that ran on it) and the paths no
 build of this run compiled, so a green run says what it covered.
 
-The native test modules import :func:`native_paths_report` (a session fixture, autouse) to
-register the report; the other builds' checks (:func:`run_build`) hand it their subprocess's
-``native.status()``."""
+conftest registers the report; the native test modules import :func:`native_paths_report` (a
+session fixture, autouse) to have it print this process's build, and the other builds' checks
+(:func:`run_build`) hand it their subprocess's ``native.status()``. Under pytest-xdist, each worker's
+part reaches the controller with the worker's output (``workeroutput``), and the controller prints
+the section."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 
@@ -53,19 +57,35 @@ def describe(status: dict, who: list) -> list:
 
 
 class Report:
+    """The section's data: this process's build, if its tests used one, and the other builds the
+    checks ran. Under pytest-xdist each worker hands its own to the controller, which prints them."""
+
     def __init__(self):
         self.builds = []  # (what checked it, native.status() of that process)
+        self.ran_here = False  # whether a native test module ran in this process
 
     def add(self, who: str, status: dict) -> None:
         self.builds.append((who, status))
 
+    def pytest_sessionfinish(self, session):
+        workeroutput = getattr(session.config, "workeroutput", None)  # set in a pytest-xdist worker only
+        if workeroutput is not None and self.ran_here:
+            worker = session.config.workerinput["workerid"]
+            workeroutput[PLUGIN_NAME] = json.dumps([(f"worker {worker}", native.status()), *self.builds])
+
+    @pytest.hookimpl(optionalhook=True)
+    def pytest_testnodedown(self, node, error):  # the controller, as a worker finishes
+        self.builds.extend(tuple(b) for b in json.loads(getattr(node, "workeroutput", {}).get(PLUGIN_NAME, "[]")))
+
     @pytest.hookimpl(trylast=True)
     def pytest_terminal_summary(self, terminalreporter):
+        if not (self.ran_here or self.builds):
+            return
         tr = terminalreporter
         tr.section("native kernel paths")
         tr.write_line(f"CPU: {' '.join(native.cpu_isa()) or 'none of ' + ', '.join(native.CPU_ISA)}")
         merged = {}  # library (or the error) -> (who, status with the kernels all its processes ran)
-        for who, status in [("this process", native.status()), *self.builds]:
+        for who, status in [("this process", native.status())] * self.ran_here + self.builds:
             key = status.get("library") or status.get("error", "")
             names, seen = merged.setdefault(key, ([], dict(status, traced=[])))
             names.append(who)
@@ -97,11 +117,10 @@ def run_build(code: str, tmp_path_factory, who: str, flags: str = AVX2_FLAGS) ->
     """Run ``code`` (a Python program whose last line of output is a JSON object with
     ``"status": native.status()``) in a subprocess whose library is built with ``flags`` added
     (:data:`AVX2_FLAGS`: no AVX-512; :data:`PORTABLE_FLAGS`: no AVX2 either), into one cache per
-    flags for the session (the modules that check it share the build); assert that no kernel's path
+    flags for the session (the modules and xdist workers that check it share the build); assert that no kernel's path
     in it is one those flags turn off, record it for the report, and return the object. Skipped
     where this process's build already has none of the paths those flags turn off (every native
     test ran its loops, and the same build again would add nothing)."""
-    import json
     import os
     import subprocess
     import sys
@@ -111,7 +130,10 @@ def run_build(code: str, tmp_path_factory, who: str, flags: str = AVX2_FLAGS) ->
     if native.available() and not set(native.paths().values()) & turned_off:
         pytest.skip(f"this process's native build has no {'/'.join(sorted(turned_off))} paths already "
                     f"({_not_built()}): the other native tests ran its loops")
-    home = tmp_path_factory.getbasetemp() / f"native{flags.replace(' ', '')}"
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the run's folder, which its xdist workers share: one build for them all
+    home = base / f"native{flags.replace(' ', '')}"
     root = str(Path(__file__).resolve().parents[1])
     env = dict(os.environ, PAGED_JAX_HOME=str(home), PAGED_JAX_NATIVE_FLAGS=flags, JAX_PLATFORMS="cpu",
                PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
@@ -125,9 +147,13 @@ def run_build(code: str, tmp_path_factory, who: str, flags: str = AVX2_FLAGS) ->
     return out
 
 
+def register(config) -> None:
+    """Register the report (from conftest's ``pytest_configure``: the xdist controller runs no test)."""
+    if config.pluginmanager.get_plugin(PLUGIN_NAME) is None:
+        config.pluginmanager.register(REPORT, PLUGIN_NAME)
+
+
 @pytest.fixture(scope="session", autouse=True)
-def native_paths_report(request):
-    manager = request.config.pluginmanager
-    if manager.get_plugin(PLUGIN_NAME) is None:
-        manager.register(REPORT, PLUGIN_NAME)
+def native_paths_report():
+    REPORT.ran_here = True
     yield

@@ -3,7 +3,9 @@ registering its kernels with XLA's FFI, and saying which instruction-set paths i
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import fcntl
 import hashlib
 import logging
 import os
@@ -132,6 +134,27 @@ def _build(out: Path) -> None:
             os.unlink(tmp)
 
 
+@contextlib.contextmanager
+def _build_lock(out: Path):
+    """Held while a process builds ``out``: processes starting together on a fresh machine (test
+    workers, servers) build it once, the others wait and load it, rather than each compiling the
+    same library on the same cores."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".lock"), "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _ensure_built(path: Path) -> None:
+    if not path.is_file():
+        with _build_lock(path):
+            if not path.is_file():  # another process may have built it while this one waited
+                _build(path)
+
+
 def available() -> bool:
     """Build (once per machine) and register the kernels; False, with a warning, if that fails."""
     if not envs.native_enabled():
@@ -142,8 +165,7 @@ def available() -> bool:
                 import jax.ffi
 
                 path = _library_path()
-                if not path.is_file():
-                    _build(path)
+                _ensure_built(path)
                 lib = ctypes.cdll.LoadLibrary(str(path))
                 for target, symbol in (*TARGETS.values(), *QUANTIZED_ATTENTION_TARGETS.values(), WIDENED_ATTENTION_TARGET,
                                        LINEAR_TARGET, SUM_TARGET,
