@@ -76,14 +76,16 @@ for d in jax.devices():
     print(d.device_kind, getattr(d, 'compute_capability', ''))
 "
 GPU=$("$PY" -c "import jax; print(int(jax.default_backend() == 'gpu'))" 2>/dev/null || echo 0)
+# pyproject's addopts ask for pytest-xdist's workers: without xdist installed, they are set aside.
+XDIST="-o addopts="
+"$PY" -c "import xdist" 2> /dev/null && XDIST="-n 4 --dist load"
 if [ "$GPU" = 1 ]; then
   command -v nvidia-smi > /dev/null && step nvidia-smi 20 nvidia-smi
   # -rs: the reason of every skip (fp8 where the GPU lacks it) in the report.
   # The step is host-bound compilation: 247-251 s in one process on a cold H200 (2026-11-27, twice), so
   # where pytest-xdist is installed (the GPU image has it) 4 workers compile side by side, sharing the
-  # GPU's memory as they need it instead of each taking JAX's default 75 %.
-  XDIST=""
-  "$PY" -c "import xdist" 2> /dev/null && XDIST="-n 4"
+  # GPU's memory as they need it instead of each taking JAX's default 75 %; --dist load spreads the one
+  # file's tests over them (pyproject's addopts keep a file on one worker).
   if XLA_PYTHON_CLIENT_PREALLOCATE=false step gpu-tests 280 "$PY" -m pytest -q -rs -p no:cacheprovider $XDIST -m gpu $GPU_TESTS \
      && ! grep -Eq '[1-9][0-9]* passed' "$STEP_OUT"; then
     echo "gpu-tests passed no test: FAILED" | tee -a "$LOG" >> "$REPORT"; FAILED=1
@@ -103,7 +105,7 @@ if [ "$GPU" = 1 ]; then
 else
   skipped nvidia-smi
   skipped gpu-tests
-  step gpu-tests-collect 120 "$PY" -m pytest -q -p no:cacheprovider -m gpu --collect-only $GPU_TESTS
+  step gpu-tests-collect 120 "$PY" -m pytest -q -p no:cacheprovider $XDIST -m gpu --collect-only $GPU_TESTS
   skipped bench-kernel
   step bench-kernel-cpu 90 "$PY" experiments/bench_kernel.py --batch 4 --context 64 --num-heads 4 \
        --head-dim 64 --iters 2 --repeats 1
