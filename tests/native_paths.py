@@ -117,8 +117,8 @@ def run_build(code: str, tmp_path_factory, who: str, flags: str = AVX2_FLAGS) ->
     """Run ``code`` (a Python program whose last line of output is a JSON object with
     ``"status": native.status()``) in a subprocess whose library is built with ``flags`` added
     (:data:`AVX2_FLAGS`: no AVX-512; :data:`PORTABLE_FLAGS`: no AVX2 either), into one cache per
-    flags for the session (the modules and xdist workers that check it share the build); assert that no kernel's path
-    in it is one those flags turn off, record it for the report, and return the object. Skipped
+    flags for the session (the modules and xdist workers that check it share the build); assert that
+    no kernel's path in it is one those flags turn off, record it for the report, and return it. Skipped
     where this process's build already has none of the paths those flags turn off (every native
     test ran its loops, and the same build again would add nothing)."""
     import os

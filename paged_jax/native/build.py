@@ -149,6 +149,7 @@ def _build_lock(out: Path):
 
 
 def _ensure_built(path: Path) -> None:
+    """Build the library at ``path`` unless it is there, or another process builds it meanwhile."""
     if not path.is_file():
         with _build_lock(path):
             if not path.is_file():  # another process may have built it while this one waited
