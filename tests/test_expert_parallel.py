@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.host_devices import xla_flags_with_devices
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -64,8 +66,7 @@ def check_split_layer() -> None:
 
 @pytest.mark.slow  # about 15 s; the engine's default exchange is checked against transformers by default
 def test_split_experts_equal_the_numpy_reference():
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
-    env.update(XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(4), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-m", "tests.test_expert_parallel"], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]

@@ -31,6 +31,7 @@ from paged_jax.weights.quantized import pack_nibbles
 from paged_jax.weights import (DenseLinear, PanelInt8Linear, PanelQuantizedLinear, QuantizedLinear,
                                       quantize_per_token)
 from tests.ct_numpy import numpy_dequantized_model, without_activation_quantization
+from tests.host_devices import xla_flags_with_devices
 from tests.hf_models import ct_dequantized_model, load_hf, make_ct_model
 
 PROMPTS = [[1, 5, 9, 33, 77, 100, 200], [1, 40, 41, 42], [1, 300, 301, 302, 303, 304, 305, 306, 307]]
@@ -451,7 +452,7 @@ def test_on_load_quantization_keeps_held_out_perplexity_within_one_percent(metho
 
 
 def _tp_equal(code: str):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PAGED_JAX_NATIVE": "0"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags_with_devices(2), "PAGED_JAX_NATIVE": "0"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env,
                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert out.returncode == 0, out.stderr[-3000:]

@@ -33,6 +33,7 @@ from paged_jax.errors import ModelLoadError
 from paged_jax.models.loader import load_model
 from paged_jax.weights import PanelQuantizedLinear, QuantizedLinear
 from paged_jax.weights.fused import unfused
+from tests.host_devices import xla_flags_with_devices
 
 FIXTURES = Path(__file__).parent / "fixtures" / "quantized"
 PROMPTS = [[1, 5, 9, 33, 77, 100, 200], [1, 40, 41, 42], [1, 300, 301, 302, 303, 304, 305, 306, 307]]
@@ -146,7 +147,7 @@ def test_gptq_checkpoint_survives_preemption():
 def test_under_tensor_parallelism_tokens_equal_the_quantizers(name):
     code = (f"import json; from tests.test_quantized_gptq import engine_run, FIXTURES; "
             f"_, t, _ = engine_run(FIXTURES / {name!r}, tensor_parallel_size=2); print(json.dumps(t))")
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "PAGED_JAX_NATIVE": "0"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags_with_devices(2), "PAGED_JAX_NATIVE": "0"}
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env,
                          cwd=Path(__file__).resolve().parent.parent)
     assert out.returncode == 0, out.stderr[-3000:]

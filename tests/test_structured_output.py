@@ -20,6 +20,7 @@ from llguidance.numpy import apply_token_bitmask_inplace, fill_next_token_bitmas
 from paged_jax import SamplingParams, StructuredOutputsParams
 from paged_jax.models.tiny import default_model_path
 from paged_jax.structured_output.grammar import JSON_DEFAULTS, GrammarCompiler
+from tests.host_devices import xla_flags_with_devices
 
 SCHEMA = {
     "type": "object",
@@ -313,7 +314,7 @@ def test_tensor_parallel_constrained_equals_one_device():
     import sys
     from pathlib import Path
 
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
+    env = dict(os.environ, XLA_FLAGS=xla_flags_with_devices(2), JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", TP_SCRIPT], cwd=Path(__file__).resolve().parents[1], env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and proc.stdout.strip().endswith("ok"), proc.stdout[-2000:] + proc.stderr[-3000:]

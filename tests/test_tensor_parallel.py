@@ -34,7 +34,7 @@ MOE_RUN = dict(prompts=PROMPTS[::3], max_tokens=8)
 def run_worker(tmp_path, jobs, devices=4, timeout=900):
     spec, out = tmp_path / "jobs.json", tmp_path / "out.json"
     spec.write_text(json.dumps({"devices": devices, "jobs": jobs}))
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ)  # the worker sets its device count (tests.host_devices)
     proc = subprocess.run([sys.executable, "-m", "tests.tp_worker", str(spec), str(out)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -305,7 +305,7 @@ def test_two_processes_serve_one_model(hf_model_dir, tmp_path):
     (tmp_path / "single").mkdir()
     (want,) = run_worker(tmp_path / "single", [job(path, 1, **AMPLE)], devices=1)
     addr = f"127.0.0.1:{free_port()}"
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env = dict(os.environ)  # the worker sets its device count (tests.host_devices)
     procs, outs = [], []
     for pid in range(2):
         spec, out = tmp_path / f"jobs{pid}.json", tmp_path / f"out{pid}.json"

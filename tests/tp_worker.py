@@ -14,6 +14,8 @@ import json
 import os
 import sys
 
+from tests.host_devices import xla_flags_with_devices
+
 
 def shard_shapes(x) -> list:
     return sorted(list(s.data.shape) for s in x.addressable_shards)
@@ -78,7 +80,7 @@ def main(argv) -> int:
     spec = json.loads(open(argv[0]).read())
     if "jax" in sys.modules:
         raise RuntimeError("JAX was imported before the device count was set")
-    os.environ["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={spec['devices']}"
+    os.environ["XLA_FLAGS"] = xla_flags_with_devices(spec["devices"])
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     # tp = 1 is the oracle for tp > 1, which never uses the native CPU kernels: the same code both ways
     os.environ["PAGED_JAX_NATIVE"] = "0"
