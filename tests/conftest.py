@@ -47,6 +47,13 @@ import pytest
 from tests.hf_models import HF_VARIANTS, make_hf_model
 
 
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_auto_num_workers(config):
+    """``-n auto`` (pyproject's addopts): one worker a core this process may run on. xdist's own count
+    asks psutil first, which counts the whole machine's cores where a container is given a few."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else None
+
+
 def pytest_configure(config):
     from tests import native_paths
 
