@@ -7,6 +7,10 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
+from paged_jax import native
+
 # A process that "builds" where the library is missing (a stand-in for the compiler: a second's work,
 # then the file, written as the real build writes it) and logs its pid if it did.
 BUILD_ONCE = """
@@ -39,6 +43,7 @@ def test_processes_started_together_build_the_library_once(tmp_path):
     assert len(log.read_text().split()) == 1, log.read_text()
 
 
+@pytest.mark.skipif(not native.available(), reason=f"native kernels not built: {native.status()}")
 def test_the_paths_report_of_parallel_workers_reaches_the_controller():
     """Under pytest-xdist the tests run in workers: the "native kernel paths" section, printed by the
     controller, lists their build and the kernels they ran."""
@@ -48,6 +53,6 @@ def test_the_paths_report_of_parallel_workers_reaches_the_controller():
                          cwd=root, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stdout[-3000:]
     section = res.stdout[res.stdout.index("native kernel paths"):]
-    build = next(line for line in section.splitlines() if line.startswith("default flags build"))
+    build = next(line for line in section.splitlines() if " build (" in line)  # this run's one build
     assert "worker gw0" in build and "worker gw1" in build, section
     assert "ran: rms norm float32" in section, section
