@@ -49,7 +49,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from paged_jax.attention import kv_quant, soft_cap_mod, window_mask_mod
+from paged_jax.attention import soft_cap_mod, window_mask_mod
 from paged_jax.attention.reference import paged_attention_reference
 from pallas_kernels.paged_attention import paged_decode_attention
 from pallas_kernels.prefill_attention import paged_prefill_attention

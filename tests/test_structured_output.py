@@ -15,7 +15,7 @@ import llguidance
 import llguidance.hf
 import numpy as np
 import pytest
-from llguidance.numpy import apply_token_bitmask_inplace, fill_next_token_bitmask
+from llguidance.numpy import apply_token_bitmask_inplace
 
 from paged_jax import SamplingParams, StructuredOutputsParams
 from paged_jax.models.tiny import default_model_path
