@@ -85,7 +85,8 @@ class Report:
         tr.section("native kernel paths")
         tr.write_line(f"CPU: {' '.join(native.cpu_isa()) or 'none of ' + ', '.join(native.CPU_ISA)}")
         merged = {}  # library (or the error) -> (who, status with the kernels all its processes ran)
-        for who, status in [("this process", native.status())] * self.ran_here + self.builds:
+        own = [("this process", native.status())] if self.ran_here else []  # none in an xdist controller
+        for who, status in own + self.builds:
             key = status.get("library") or status.get("error", "")
             names, seen = merged.setdefault(key, ([], dict(status, traced=[])))
             names.append(who)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,8 +33,8 @@ MOE_RUN = dict(prompts=PROMPTS[::3], max_tokens=8)
 def run_worker(tmp_path, jobs, devices=4, timeout=900):
     spec, out = tmp_path / "jobs.json", tmp_path / "out.json"
     spec.write_text(json.dumps({"devices": devices, "jobs": jobs}))
-    env = dict(os.environ)  # the worker sets its device count (tests.host_devices)
-    proc = subprocess.run([sys.executable, "-m", "tests.tp_worker", str(spec), str(out)], cwd=ROOT, env=env,
+    # the worker inherits this environment and sets its device count (tests.host_devices)
+    proc = subprocess.run([sys.executable, "-m", "tests.tp_worker", str(spec), str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(out.read_text())
@@ -305,7 +304,6 @@ def test_two_processes_serve_one_model(hf_model_dir, tmp_path):
     (tmp_path / "single").mkdir()
     (want,) = run_worker(tmp_path / "single", [job(path, 1, **AMPLE)], devices=1)
     addr = f"127.0.0.1:{free_port()}"
-    env = dict(os.environ)  # the worker sets its device count (tests.host_devices)
     procs, outs = [], []
     for pid in range(2):
         spec, out = tmp_path / f"jobs{pid}.json", tmp_path / f"out{pid}.json"
@@ -313,7 +311,7 @@ def test_two_processes_serve_one_model(hf_model_dir, tmp_path):
                                     "distributed": {"coordinator_address": addr, "num_processes": 2,
                                                     "process_id": pid}}))
         procs.append(subprocess.Popen([sys.executable, "-m", "tests.tp_worker", str(spec), str(out)], cwd=ROOT,
-                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         outs.append(out)
     try:
         logs = [p.communicate(timeout=600)[0] for p in procs]
