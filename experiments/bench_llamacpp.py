@@ -45,7 +45,9 @@ N`` sets paged-jax's token budget per step (default: the engine's, ``max(max_num
 prefill; llama-server's own default is a 2,048-token batch in micro-batches of 512). ``--formats`` runs a
 subset of the three formats.
 
-Each of ``--rounds`` rounds runs every format on both engines in turn; the best round of each is
+Each of ``--rounds`` rounds runs every format on both engines in turn, each engine in fresh processes
+(llama-bench and llama-server are started per round; paged-jax's cells of the format run in a child
+process of their own, :func:`paged_jax_child`, its engines warmed up there untimed); the best round of each is
 kept (and llama.cpp's best of ``--llama-threads``: on a machine shared with other work, its two
 threads waiting on each other at every step can make ``-t 1`` the faster). Prints the tables with paged-jax's ratio over llama.cpp, the CPU and its instruction sets,
 and how many of the 48 requests' greedy outputs are the same token for token (float32).
@@ -236,7 +238,49 @@ def cpu() -> tuple[str, str]:
     return name, " ".join(isa)
 
 
+def paged_jax_round(spec: dict) -> dict:
+    """One round of one format's paged-jax cells, in this (fresh) process: its engines built and
+    warmed up (compiling, untimed), then each variant's batch-1 decode and, unless ``batch_1_only``,
+    its 48 requests. Returns ``{"rates": {cell: tokens/s}, "tokens": {column: tokens}, "paths": ...}``."""
+    from paged_jax import LLM, native
+
+    temp, engines = spec["temperature"], {}
+    for k, kv in spec["variants"]:
+        engines[k, kv] = LLM(spec["model"], quantization=spec["quantization"], max_model_len=512,
+                             num_kv_blocks=spec["blocks"], max_num_seqs=REQUESTS, num_scheduler_steps=k,
+                             kv_cache_dtype=kv, max_num_batched_tokens=spec["max_num_batched_tokens"])
+        paged_jax_decode(engines[k, kv], spec["prompt"], temp)  # compiles what the cells reach
+        if not spec["batch_1_only"]:
+            paged_jax_batch(engines[k, kv], spec["prompts"], temp)
+    rates, tokens = {}, {}
+    for (k, kv), llm in engines.items():
+        column = _column((k, kv))
+        rates[f"{column}|decode"] = paged_jax_decode(llm, spec["prompt"], temp)
+        if not spec["batch_1_only"]:
+            rates[f"{column}|batch"], tokens[column] = paged_jax_batch(llm, spec["prompts"], temp)
+    return {"rates": rates, "tokens": tokens, "paths": native.paths()}
+
+
+def paged_jax_child(spec: dict) -> dict:
+    """:func:`paged_jax_round` in a child process of its own: each round of paged-jax starts from a fresh
+    process, as each of llama-bench's and llama-server's does. (One process for every round gave
+    paged-jax one draw of what differs between processes, where llama.cpp had one a round: the same
+    int4 decode measured 530-890 tokens/s as the best of five rounds in six processes on one machine,
+    the rounds within a process closer together.)"""
+    res = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
+                         env=dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT),
+                                                                                     os.environ.get("PYTHONPATH")]))))
+    if res.returncode:
+        sys.exit(f"paged-jax's round failed:\n{res.stderr[-4000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:  # one round of paged-jax (paged_jax_child)
+        sys.path.insert(0, str(ROOT))
+        print(json.dumps(paged_jax_round(json.loads(argv[1]))))
+        return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--isa", choices=list(CMAKE_ISA), default="native")
@@ -273,7 +317,6 @@ def main(argv=None):
         print(bin_dir)
         return
     sys.path.insert(0, str(ROOT))
-    from paged_jax import LLM, native
     from paged_jax.models.tiny import make_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -283,40 +326,32 @@ def main(argv=None):
         rng = np.random.default_rng(0)
         prompt = rng.integers(3, vocab, PROMPT).tolist()
         prompts = [rng.integers(3, vocab, int(n)).tolist() for n in rng.integers(LENS[0], LENS[1] + 1, REQUESTS)]
-        blocks = REQUESTS * ((LENS[1] + OUT_LEN) // 16 + 2)
-        engines, variants = {}, [(k, kv) for k in a.num_scheduler_steps for kv in kvs]
-        for name, (_, q) in formats.items():
-            for k, kv in variants:
-                engines[name, k, kv] = LLM(str(model), quantization=q, max_model_len=512, num_kv_blocks=blocks,
-                                           max_num_seqs=REQUESTS, num_scheduler_steps=k, kv_cache_dtype=kv,
-                                           max_num_batched_tokens=a.max_num_batched_tokens)
-                paged_jax_decode(engines[name, k, kv], prompt, temp)  # compiles what the cells reach
-                if not a.batch_1_only:
-                    paged_jax_batch(engines[name, k, kv], prompts, temp)
+        variants = [(k, kv) for k in a.num_scheduler_steps for kv in kvs]
+        spec = dict(model=str(model), variants=variants, prompt=prompt, prompts=prompts, temperature=temp,
+                    blocks=REQUESTS * ((LENS[1] + OUT_LEN) // 16 + 2), batch_1_only=a.batch_1_only,
+                    max_num_batched_tokens=a.max_num_batched_tokens)
         best: dict = {}
         tokens: dict = {}
+        paths = None
         loads = [os.getloadavg()[0]]  # the machine's 1-minute load average, before and after each round
         for r in range(a.rounds):
-            for name, (fmt, _) in formats.items():
-                cells = {("llama.cpp", "decode"): lambda: llama_bench(bin_dir, ggufs[fmt], a.llama_threads),
-                         ("llama.cpp", "batch"): lambda: max((llama_server(bin_dir, ggufs[fmt], prompts, a.port, t, temp,
-                                                                           ctype)
-                                                              for t in a.llama_threads), key=lambda o: o[0])}
-                for v in variants:
-                    cells[_column(v), "decode"] = lambda v=v: paged_jax_decode(engines[(name, *v)], prompt, temp)
-                    cells[_column(v), "batch"] = lambda v=v: paged_jax_batch(engines[(name, *v)], prompts, temp)
-                if a.batch_1_only:
-                    cells = {k: f for k, f in cells.items() if k[1] == "decode"}
-                for (engine, kind), f in cells.items():
-                    out = f()
-                    rate, toks = out if isinstance(out, tuple) else (out, None)
+            for name, (fmt, q) in formats.items():
+                # Each engine's round in processes of its own: llama-bench, llama-server, paged-jax's child.
+                rates = {("llama.cpp", "decode"): llama_bench(bin_dir, ggufs[fmt], a.llama_threads)}
+                if not a.batch_1_only:
+                    rate, tokens["llama.cpp", name] = max((llama_server(bin_dir, ggufs[fmt], prompts, a.port, t, temp,
+                                                                        ctype) for t in a.llama_threads),
+                                                          key=lambda o: o[0])
+                    rates["llama.cpp", "batch"] = rate
+                ours = paged_jax_child(dict(spec, quantization=q))
+                paths = ours["paths"]
+                rates.update({tuple(cell.split("|")): rate for cell, rate in ours["rates"].items()})
+                tokens.update({(column, name): toks for column, toks in ours["tokens"].items()})
+                for (engine, kind), rate in rates.items():
                     best[engine, kind, name] = max(best.get((engine, kind, name), 0.0), rate)
-                    if toks is not None:
-                        tokens[engine, name] = toks
-                print(f"round {r + 1}, {name}: " + ", ".join(f"{e} {k} {best[e, k, name]:.1f}" for e, k in cells),
+                print(f"round {r + 1}, {name}: " + ", ".join(f"{e} {k} {best[e, k, name]:.1f}" for e, k in rates),
                       file=sys.stderr)
             loads.append(os.getloadavg()[0])
-        paths = native.paths()
     name, isa = cpu()
     print(f"CPU: {name}, {os.cpu_count()} cores; instruction sets: {isa}")
     print(f"builds: llama.cpp from llama-cpp-python {LLAMA_CPP_PYTHON} ({' '.join(CMAKE_ISA[a.isa])}); paged-jax "
