@@ -15,10 +15,22 @@ namespace {
 // Queries i0 .. i0 + n - 1 of row s, all heads, over the keys the last of them sees, a chunk of
 // blocks (KeysPerChunk) at a time with an online softmax. Query rows are kept head-major (row
 // h * n + i: query i, head h), so the G * n rows that share a KV head are contiguous. A head with
-// few rows (a decode) scores each key by a dot product; a head with many (a prefill chunk) has the
+// few rows (a decode) scores each key by a dot product (with AVX-512, float32 or bfloat16 keys: 16 keys
+// at a time, Dot16); a head with many (a prefill chunk) has the
 // chunk's keys transposed into kt, so that its scores come kLanes keys to a vector, kRowTile rows
 // at a time. The weighted values accumulate in registers, kValueRows rows at a time. A key past a
 // query's position, or before its sliding window, gets no weight.
+// AVX-512 and a head of 16s: a float32 or bfloat16 cache's decode scores 16 keys at a time (Dot16), and a
+// bfloat16 cache's values, for at most kValueRows rows of a KV head, widened in registers as they are
+// weighted (WeightedValueRows) instead of into a float32 copy first: each value is read once either way.
+template <int kD, typename C>
+constexpr bool kDecodeBy16 =
+#if defined(__AVX512F__)
+    kD > 0 && kD % 16 == 0 && (std::is_same_v<C, float> || std::is_same_v<C, uint16_t>);
+#else
+    false;
+#endif
+
 template <int kD, typename T, typename C>
 void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64_t kh0, int64_t nkh,
                 const KeyPart& part, std::vector<float>& scratch) {
@@ -46,8 +58,11 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64_
   // value of each key, as float32 (vr).
   thread_local std::vector<const C*> keys;
   thread_local std::vector<const float*> vals;
+  thread_local std::vector<const C*> cache_vals_store;  // one KV head's values in the cache (kDecodeBy16)
   keys.resize(2 * CK);
   vals.resize(CK);
+  cache_vals_store.resize(CK);
+  const C** cache_vals = cache_vals_store.data();
   const C** kr = keys.data();
   const C** nkr = kr + CK;
   const float** vr = vals.data();
@@ -95,7 +110,24 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64_
     // slower at batch 128), by a prefill chunk all at once.
     const int64_t next = std::min(CK, L - pos0 - CK);  // keys in the next chunk (<= 0: none)
     if (next > 0) rows_of(pos0 + CK, next, nkr);
-    if (!transpose) {
+    if (!transpose && kDecodeBy16<kD, C>) {
+#if defined(__AVX512F__)
+      if constexpr (kDecodeBy16<kD, C>) {
+        for (int64_t t = 0; t < next; ++t) {
+          Prefetch(reinterpret_cast<const char*>(nkr[t]), KVH * E * sizeof(C));
+          Prefetch(reinterpret_cast<const char*>(p.v + (nkr[t] - p.k)), KVH * E * sizeof(C));
+        }
+        for (int64_t kh = 0; kh < KVH; ++kh)
+          for (int64_t c = 0; c < nl; c += kLanes) {
+            const C* lane_keys[16];  // lanes past the chunk's keys read zeros (their scores are masked below)
+            for (int64_t l = 0; l < 16; ++l)
+              lane_keys[l] = c + l < nk ? kr[c + l] + kh * E : reinterpret_cast<const C*>(zeros);
+            for (int64_t r = kh * G * n; r < (kh + 1) * G * n; ++r)
+              _mm512_storeu_ps(sc + r * nl + c, Dot16<kD>(q + r * D, lane_keys));
+          }
+      }
+#endif
+    } else if (!transpose) {
       for (int64_t t = 0; t < nk; ++t) {
         if (t < next) {
           Prefetch(reinterpret_cast<const char*>(nkr[t]), KVH * E * sizeof(C));
@@ -222,6 +254,19 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64_
       }
     }
     for (int64_t kh = 0; kh < KVH; ++kh) {
+      if constexpr (kDecodeBy16<kD, C> && std::is_same_v<C, uint16_t>) {
+        if (G * n <= kValueRows) {  // bfloat16 values widened in registers (kDecodeBy16)
+          for (int64_t t = 0; t < nk; ++t) cache_vals[t] = p.v + (kr[t] - p.k) + kh * E;
+          const int64_t r0 = kh * G * n;
+          int64_t t0 = nk, t1 = 0;
+          for (int64_t r = r0; r < r0 + G * n; ++r) {
+            t0 = std::min(t0, seen_from(r % n, pos0, nk));
+            t1 = std::max(t1, visible(r % n, pos0, nk));
+          }
+          WeightedValueRows<kD>(sc + r0 * nl, nl, G * n, t0, t1, cache_vals, D, out + r0 * D);
+          continue;
+        }
+      }
       for (int64_t t = 0; t < nk; ++t) {
         const C* val = p.v + (kr[t] - p.k) + kh * E;  // the value beside the key
         if constexpr (std::is_same_v<C, float>) {

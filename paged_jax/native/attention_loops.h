@@ -158,6 +158,39 @@ inline float Dot(const float* a, const T* b, int64_t n) {
   return s;
 }
 
+#if defined(__AVX512F__)
+// Lane l of the result: the sum of a[l]'s 16 lanes, for 16 vectors at once, added as one tree of
+// shuffles (pairs within 128-bit lanes, then the 128-bit lanes): 31 operations for 16 sums, where a
+// reduction per vector (_mm512_reduce_add_ps) takes about 8 for one.
+inline __m512 SumLanes16(const __m512* a) {
+  __m512 s[8], u[4];
+  for (int i = 0; i < 8; ++i)  // each 128-bit lane: [a0+a2, b0+b2, a1+a3, b1+b3] of a = a[2i], b = a[2i+1]
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; ++i)  // each 128-bit lane: a[4i .. 4i + 4)'s sums over that lane's 4 floats
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0x44), _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], 0xEE));
+  // 128-bit lanes: v0 = [u0 lanes 0+1, u0 2+3, u1 0+1, u1 2+3], v1 the same of u2, u3; then their pairs.
+  const __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], 0x88), _mm512_shuffle_f32x4(u[0], u[1], 0xDD));
+  const __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], 0x88), _mm512_shuffle_f32x4(u[2], u[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(v0, v1, 0xDD));
+}
+
+inline __m512 LoadF32x16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 LoadF32x16(const uint16_t* p) { return LoadBf16x16(p); }
+
+// q . keys[l] for 16 keys (float32 or bfloat16, kD values each, a multiple of 16), lane l: a decode's
+// scores of one head and a chunk's keys, without a horizontal sum per key.
+template <int kD, typename T>
+inline __m512 Dot16(const float* q, const T* const* keys) {
+  static_assert(kD > 0 && kD % 16 == 0);
+  __m512 acc[16];
+  for (int l = 0; l < 16; ++l) {
+    acc[l] = _mm512_mul_ps(_mm512_loadu_ps(q), LoadF32x16(keys[l]));
+    for (int i = 16; i < kD; i += 16) acc[l] = _mm512_fmadd_ps(_mm512_loadu_ps(q + i), LoadF32x16(keys[l] + i), acc[l]);
+  }
+  return SumLanes16(acc);
+}
+#endif
+
 template <int kD, typename T>
 inline void Axpy(float w, const T* x, float* y, int64_t n) {
   const int64_t len = kD > 0 ? kD : n;
@@ -380,9 +413,10 @@ inline void ValueRows(const float* w, int64_t ldw, int64_t t0, int64_t t1, const
     for (int j = 0; j < 2; ++j) _mm256_storeu_ps(out + r * D + j0 + 8 * j, acc[r][j]);
 }
 #endif
-template <int kD>
+// V: float, or (AVX-512 only) uint16_t holding bfloat16 bits, widened as they are loaded.
+template <int kD, typename V = float>
 inline void WeightedValueRows(const float* w, int64_t ldw, int64_t rows, int64_t t0, int64_t t1,
-                              const float* const* v, int64_t D, float* out) {
+                              const V* const* v, int64_t D, float* out) {
 #ifdef __AVX512F__
   const int64_t len = kD > 0 ? kD : D;
   if (len % 16 == 0) {
@@ -394,7 +428,7 @@ inline void WeightedValueRows(const float* w, int64_t ldw, int64_t rows, int64_t
           acc[r][j] = r < rows && j < nj ? _mm512_loadu_ps(out + r * D + j0 + 16 * j) : _mm512_setzero_ps();
       for (int64_t t = t0; t < t1; ++t) {
         __m512 x[4];
-        for (int64_t j = 0; j < 4; ++j) x[j] = j < nj ? _mm512_loadu_ps(v[t] + j0 + 16 * j) : _mm512_setzero_ps();
+        for (int64_t j = 0; j < 4; ++j) x[j] = j < nj ? LoadF32x16(v[t] + j0 + 16 * j) : _mm512_setzero_ps();
         for (int64_t r = 0; r < kValueRows; ++r) {
           if (r >= rows) break;
           const __m512 wt = _mm512_set1_ps(w[r * ldw + t]);
@@ -407,7 +441,9 @@ inline void WeightedValueRows(const float* w, int64_t ldw, int64_t rows, int64_t
     }
     return;
   }
-#elif defined(PAGED_JAX_ATTENTION_AVX2)
+#endif
+  if constexpr (std::is_same_v<V, float>) {  // (bfloat16 values: the AVX-512 code above, a head of 16s only)
+#if defined(PAGED_JAX_ATTENTION_AVX2)
   const int64_t len = kD > 0 ? kD : D;
   if (len % 16 == 0) {
     for (int64_t j0 = 0; j0 < len; j0 += 16) {  // 2 vectors of outputs for each of the rows, in registers
@@ -422,6 +458,7 @@ inline void WeightedValueRows(const float* w, int64_t ldw, int64_t rows, int64_t
   }
 #endif
   for (int64_t r = 0; r < rows; ++r) WeightedValues<kD>(w + r * ldw, t0, t1, v, D, out + r * D);
+  }
 }
 
 // The first key a query at position `pos` sees: its sliding window's start (0 without a window).
