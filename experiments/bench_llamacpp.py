@@ -3,7 +3,7 @@
 
     python experiments/bench_llamacpp.py [--rounds 3] [--isa native|avx2] [--llama-threads 2] [--cache DIR]
                                          [--batch-1-only] [--num-scheduler-steps 1 8] [--temperature 0]
-                                         [--formats float32 8-bit 4-bit] [--cache-type-kv f16|f32]
+                                         [--formats float32 8-bit 4-bit "8-bit w8a8"] [--cache-type-kv f16|f32]
                                          [--kv-cache-dtype auto bfloat16 ...]
                                          [--max-num-batched-tokens N]
 
@@ -43,7 +43,8 @@ paged-jax the model's float32 (``"auto"``); llama-bench takes no float32 cache a
 caches side by side). ``--max-num-batched-tokens
 N`` sets paged-jax's token budget per step (default: the engine's, ``max(max_num_seqs, 256)`` with chunked
 prefill; llama-server's own default is a 2,048-token batch in micro-batches of 512). ``--formats`` runs a
-subset of the three formats.
+subset of the three formats, or adds ``"8-bit w8a8"``: ``quantization="w8a8"`` (activations quantized
+per token for integer dot products, as q8_0's are per 32) against the same q8_0.
 
 Each of ``--rounds`` rounds runs every format on both engines in turn, each engine in fresh processes
 (llama-bench and llama-server are started per round; paged-jax's cells of the format run in a child
@@ -78,7 +79,9 @@ TOOLS = ("llama-bench", "llama-server", "llama-quantize")
 CMAKE_ISA = {"native": ["-DGGML_NATIVE=ON"],
              "avx2": ["-DGGML_NATIVE=OFF", "-DGGML_AVX=ON", "-DGGML_AVX2=ON", "-DGGML_FMA=ON", "-DGGML_F16C=ON",
                       "-DGGML_AVX512=OFF", "-DGGML_BMI2=ON"]}
-FORMATS = {"float32": ("f32", None), "8-bit": ("q8_0", "int8"), "4-bit": ("q4_0", "int4")}  # GGUF, paged-jax
+FORMATS = {"float32": ("f32", None), "8-bit": ("q8_0", "int8"), "4-bit": ("q4_0", "int4"),  # GGUF, paged-jax
+           "8-bit w8a8": ("q8_0", "w8a8")}  # activations quantized too, as q8_0's dot products do (not by default)
+DEFAULT_FORMATS = ["float32", "8-bit", "4-bit"]
 MODEL = dict(family="llama", vocab_size=1024, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
              num_attention_heads=8, num_key_value_heads=8)
 PROMPT, DECODE = 88, 32  # batch 1: context, tokens generated
@@ -294,7 +297,9 @@ def main(argv=None):
                     help="paged-jax's decode steps per engine step, a column each (default: 1 and 8)")
     ap.add_argument("--temperature", type=float, default=0.0,
                     help="> 0: paged-jax and llama-server sample (default 0: greedy)")
-    ap.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    ap.add_argument("--formats", nargs="+", default=DEFAULT_FORMATS, choices=list(FORMATS),
+                    help="the weight formats, a table row each (default: float32 8-bit 4-bit; '8-bit w8a8': "
+                         "quantization='w8a8' against q8_0)")
     ap.add_argument("--cache-type-kv", default="f16", choices=["f16", "f32"],
                     help="llama-server's KV cache type (default f16, its own default; llama-bench keeps f16)")
     ap.add_argument("--kv-cache-dtype", nargs="+", default=None, choices=["auto", "bfloat16", "int8", "fp8"],
