@@ -12,14 +12,6 @@
 
 namespace {
 
-// Queries i0 .. i0 + n - 1 of row s, all heads, over the keys the last of them sees, a chunk of
-// blocks (KeysPerChunk) at a time with an online softmax. Query rows are kept head-major (row
-// h * n + i: query i, head h), so the G * n rows that share a KV head are contiguous. A head with
-// few rows (a decode) scores each key by a dot product (with AVX-512, float32 or bfloat16 keys: 16 keys
-// at a time, Dot16); a head with many (a prefill chunk) has the
-// chunk's keys transposed into kt, so that its scores come kLanes keys to a vector, kRowTile rows
-// at a time. The weighted values accumulate in registers, kValueRows rows at a time. A key past a
-// query's position, or before its sliding window, gets no weight.
 // AVX-512 and a head of 16s: a float32 or bfloat16 cache's decode scores 16 keys at a time (Dot16), and a
 // bfloat16 cache's values, for at most kValueRows rows of a KV head, widened in registers as they are
 // weighted (WeightedValueRows) instead of into a float32 copy first: each value is read once either way.
@@ -31,6 +23,13 @@ constexpr bool kDecodeBy16 =
     false;
 #endif
 
+// Queries i0 .. i0 + n - 1 of row s, all heads, over the keys the last of them sees, a chunk of
+// blocks (KeysPerChunk) at a time with an online softmax. Query rows are kept head-major (row
+// h * n + i: query i, head h), so the G * n rows that share a KV head are contiguous. A head with
+// few rows (a decode) scores each key by a dot product (kDecodeBy16: 16 keys at a time); a head with
+// many (a prefill chunk) has the chunk's keys transposed into kt, so that its scores come kLanes keys
+// to a vector, kRowTile rows at a time. The weighted values accumulate in registers, kValueRows rows
+// at a time. A key past a query's position, or before its sliding window, gets no weight.
 template <int kD, typename T, typename C>
 void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64_t kh0, int64_t nkh,
                 const KeyPart& part, std::vector<float>& scratch) {
