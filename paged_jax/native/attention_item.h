@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 #include "attention_loops.h"
@@ -100,6 +101,19 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64_
       for (int64_t u = 0; u < std::min(BS, nk - t); ++u) to[t + u] = kb + u * row + kh0 * E;  // this item's first head
     }
   };
+  auto fetch_next = [&](int64_t t, int64_t bytes) {  // the next chunk's key rows from nkr[t], and their values
+    Prefetch(reinterpret_cast<const char*>(nkr[t]), bytes);
+    Prefetch(reinterpret_cast<const char*>(p.v + (nkr[t] - p.k)), bytes);
+  };
+  // The keys [t0, t1) of a chunk at pos0 (nk keys) that rows r0 .. r0 + rows - 1 see between them.
+  auto keys_seen = [&](int64_t r0, int64_t rows, int64_t pos0, int64_t nk) {
+    int64_t t0 = nk, t1 = 0;
+    for (int64_t r = r0; r < r0 + rows; ++r) {
+      t0 = std::min(t0, seen_from(r % n, pos0, nk));
+      t1 = std::max(t1, visible(r % n, pos0, nk));
+    }
+    return std::make_pair(t0, t1);
+  };
   if (from < L) rows_of(from, std::min(CK, L - from), kr);
   for (int64_t pos0 = from; pos0 < L; pos0 += CK) {
     const int64_t nk = std::min(CK, L - pos0);
@@ -112,10 +126,7 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64_
     if (!transpose && kDecodeBy16<kD, C>) {
 #if defined(__AVX512F__)
       if constexpr (kDecodeBy16<kD, C>) {
-        for (int64_t t = 0; t < next; ++t) {
-          Prefetch(reinterpret_cast<const char*>(nkr[t]), KVH * E * sizeof(C));
-          Prefetch(reinterpret_cast<const char*>(p.v + (nkr[t] - p.k)), KVH * E * sizeof(C));
-        }
+        for (int64_t t = 0; t < next; ++t) fetch_next(t, KVH * E * sizeof(C));
         for (int64_t kh = 0; kh < KVH; ++kh)
           for (int64_t c = 0; c < nl; c += kLanes) {
             const C* lane_keys[16];  // lanes past the chunk's keys read zeros (their scores are masked below)
@@ -128,10 +139,7 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64_
 #endif
     } else if (!transpose) {
       for (int64_t t = 0; t < nk; ++t) {
-        if (t < next) {
-          Prefetch(reinterpret_cast<const char*>(nkr[t]), KVH * E * sizeof(C));
-          Prefetch(reinterpret_cast<const char*>(p.v + (nkr[t] - p.k)), KVH * E * sizeof(C));
-        }
+        if (t < next) fetch_next(t, KVH * E * sizeof(C));
         for (int64_t kh = 0; kh < KVH; ++kh) {
           const C* key = kr[t] + kh * E;
           const float ks = EntryScale(key, D);
@@ -139,11 +147,7 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64_
         }
       }
     } else {
-      for (int64_t t = 0; t < next; t += BS) {
-        const int64_t bytes = std::min(BS, next - t) * row * sizeof(C);
-        Prefetch(reinterpret_cast<const char*>(nkr[t]), bytes);
-        Prefetch(reinterpret_cast<const char*>(p.v + (nkr[t] - p.k)), bytes);
-      }
+      for (int64_t t = 0; t < next; t += BS) fetch_next(t, std::min(BS, next - t) * row * sizeof(C));
       for (int64_t kh = 0; kh < KVH; ++kh) {
         // kt[d, t] = key t's d-th value (times its scale in an 8-bit cache), whole vectors of kLanes
         // keys (past nk: zeros).
@@ -257,11 +261,7 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64_
         if (G * n <= kValueRows) {  // bfloat16 values widened in registers (kDecodeBy16)
           for (int64_t t = 0; t < nk; ++t) cache_vals[t] = p.v + (kr[t] - p.k) + kh * E;
           const int64_t r0 = kh * G * n;
-          int64_t t0 = nk, t1 = 0;
-          for (int64_t r = r0; r < r0 + G * n; ++r) {
-            t0 = std::min(t0, seen_from(r % n, pos0, nk));
-            t1 = std::max(t1, visible(r % n, pos0, nk));
-          }
+          const auto [t0, t1] = keys_seen(r0, G * n, pos0, nk);
           WeightedValueRows<kD>(sc + r0 * nl, nl, G * n, t0, t1, cache_vals, D, out + r0 * D);
           continue;
         }
@@ -278,11 +278,7 @@ void AttendRows(const Problem<T, C>& p, int64_t s, int64_t i0, int64_t n, int64_
       }
       for (int64_t r0 = kh * G * n; r0 < (kh + 1) * G * n; r0 += kValueRows) {
         const int64_t rows = std::min(kValueRows, (kh + 1) * G * n - r0);
-        int64_t t0 = nk, t1 = 0;
-        for (int64_t r = r0; r < r0 + rows; ++r) {
-          t0 = std::min(t0, seen_from(r % n, pos0, nk));
-          t1 = std::max(t1, visible(r % n, pos0, nk));
-        }
+        const auto [t0, t1] = keys_seen(r0, rows, pos0, nk);
         WeightedValueRows<kD>(sc + r0 * nl, nl, rows, t0, t1, vr, D, out + r0 * D);
       }
     }
