@@ -189,10 +189,11 @@ for M, K, N in [(1, 16, 16), (9, 40, 96), (33, 70, 32)]:
     errs.append(float(np.abs(got - want).max()))
 # quantized weights (int8, int4 with zero points, fp8) against XLA's dequantizing matmul, 1 and 12 rows
 tiles_equal = []
-for values, bits in [(rng.integers(-128, 128, size=(64, 48)).astype(np.int8), 8),
-                     (rng.integers(0, 256, size=(32, 48)).astype(np.uint8), 4),
-                     (jnp.asarray(rng.standard_normal((64, 48)) * 8, dtype=jnp.float8_e4m3fn), 8)]:
-    scale = jnp.asarray(rng.uniform(0.01, 0.1, size=(2, 48)).astype(np.float32))
+# (int8 with one scale per column: its sums scaled once; the others in 2 groups, each weight scaled)
+for values, bits, groups in [(rng.integers(-128, 128, size=(64, 48)).astype(np.int8), 8, 1),
+                             (rng.integers(0, 256, size=(32, 48)).astype(np.uint8), 4, 2),
+                             (jnp.asarray(rng.standard_normal((64, 48)) * 8, dtype=jnp.float8_e4m3fn), 8, 2)]:
+    scale = jnp.asarray(rng.uniform(0.01, 0.1, size=(groups, 48)).astype(np.float32))
     zero = jnp.asarray(rng.integers(-8, 8, size=(2, 48)).astype(np.int8)) if bits == 4 else None
     p = QuantizedLinear(jnp.asarray(values), scale, zero=zero, bits=bits, in_features_=64)
     panels, scales, zeros, _ = pack_quantized(p)
@@ -361,8 +362,9 @@ def test_fp8_weights_match_numpy(M, scales, act):
 
 
 @needs_native
+@pytest.mark.parametrize("groups", [1, 2])  # one scale per column: the sums scaled once (no zero points)
 @pytest.mark.parametrize("fmt", ["int8", "int4", "fp8"])
-def test_register_tiles_and_float_slabs_agree_to_the_bit(fmt):
+def test_register_tiles_and_float_slabs_agree_to_the_bit(fmt, groups):
     """Rows 0, 0-1, 0-3, 0-6 and 0-7 of a 12-row product (float32 slabs) equal the same rows run
     alone (register tiles of 1, 2, 4, 7 and 8 rows; with AVX-512 the tiles of 1 and 2 rows run two of
     the three 48-column panels at once, and the third alone)."""
@@ -371,9 +373,10 @@ def test_register_tiles_and_float_slabs_agree_to_the_bit(fmt):
     rng = np.random.default_rng(len(fmt))
     if fmt == "fp8":
         values = jnp.asarray(rng.standard_normal((256, 144)) * 8, dtype=jnp.float8_e4m3fn)
-        p = QuantizedLinear(values, jnp.asarray(rng.uniform(0.01, 0.1, (2, 144)).astype(np.float32)), in_features_=256)
-    else:
-        p, _ = _quantized(rng, 256, 144, 8 if fmt == "int8" else 4, 2, zero=fmt == "int4")
+        scale = jnp.asarray(rng.uniform(0.01, 0.1, (groups, 144)).astype(np.float32))
+        p = QuantizedLinear(values, scale, in_features_=256)
+    else:  # int4 in 2 groups with zero points
+        p, _ = _quantized(rng, 256, 144, 8 if fmt == "int8" else 4, groups, zero=fmt == "int4" and groups == 2)
     panels, scales, zeros, _ = pack_quantized(p)
     x = jnp.asarray(rng.standard_normal((12, 256)).astype(np.float32))
     f = jax.jit(native.linear_quantized, static_argnums=3)

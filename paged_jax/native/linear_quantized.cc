@@ -33,7 +33,12 @@ namespace {
 //   rather than once per 8 rows (measured on this project's CPU: about even at 16-32 rows,
 //   1.1-1.4x faster at 128; register tiles 1.4-2x faster at 6-8 rows).
 // Both round (q - zero) * scale to float32 once and add it into the sums over k in order, so the
-// two agree to the bit. PAGED_JAX_NATIVE_FLAGS=-DPAGED_JAX_REGISTER_ROWS=... moves the switch.
+// two agree to the bit; except that a weight with one scale per column and no zero points (int8 on load,
+// per-channel W8A16 or fp8) has its sums of x * (q - zero) scaled once at the end, in both ways
+// alike: one multiply per weight fewer in the register tiles, whose conversions bound them at one
+// row (measured: an int8 [512, 2816] call at one row 1.15x as fast, AVX-512 and AVX2 alike), and
+// one pass over the outputs for the slabs.
+// PAGED_JAX_NATIVE_FLAGS=-DPAGED_JAX_REGISTER_ROWS=... moves the switch.
 
 constexpr int64_t kSlab = 128;  // weight rows per float32 slab: 128 x 48 floats = 24 KiB
 
@@ -79,7 +84,8 @@ inline float QValue(const uint8_t* row, int64_t k, int64_t c) {
 }
 
 #if defined(PAGED_JAX_AVX512)
-template <QFormat F, bool Zero>
+// 16 weights of a row (columns 16 v .. 16 v + 15) as float32, (q - zero) * scale (Scale) or q - zero.
+template <QFormat F, bool Zero, bool Scale = true>
 inline __m512 QLoad(const uint8_t* row, int64_t k, int v, __m512 scale, __m512 zero) {
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + 16 * v));
   __m512 f;
@@ -93,7 +99,7 @@ inline __m512 QLoad(const uint8_t* row, int64_t k, int v, __m512 scale, __m512 z
     f = _mm512_castsi512_ps(
         _mm512_or_si512(_mm512_mask_blend_epi32(is_normal, _mm512_castps_si512(subnormal), normal), sign));
     if (Zero) f = _mm512_sub_ps(f, zero);
-    return _mm512_mul_ps(f, scale);
+    return Scale ? _mm512_mul_ps(f, scale) : f;
   }
   __m512i q;
   if (F == QFormat::kInt8) {
@@ -105,11 +111,11 @@ inline __m512 QLoad(const uint8_t* row, int64_t k, int v, __m512 scale, __m512 z
   }
   f = _mm512_cvtepi32_ps(q);
   if (Zero) f = _mm512_sub_ps(f, zero);
-  return _mm512_mul_ps(f, scale);
+  return Scale ? _mm512_mul_ps(f, scale) : f;
 }
 #elif defined(PAGED_JAX_AVX2)
-// 8 weights of a row (columns c .. c + 7) as float32: ((q - zero) * scale), as QValue does.
-template <QFormat F, bool Zero>
+// 8 weights of a row (columns c .. c + 7) as float32: (q - zero) * scale (Scale) or q - zero, as QValue does.
+template <QFormat F, bool Zero, bool Scale = true>
 inline __m256 QLoad8(const uint8_t* row, int64_t k, int64_t c, __m256 scale, __m256 zero) {
   const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + c));
   __m256 f;
@@ -133,7 +139,7 @@ inline __m256 QLoad8(const uint8_t* row, int64_t k, int64_t c, __m256 scale, __m
     f = _mm256_cvtepi32_ps(q);
   }
   if (Zero) f = _mm256_sub_ps(f, zero);
-  return _mm256_mul_ps(f, scale);
+  return Scale ? _mm256_mul_ps(f, scale) : f;
 }
 #endif
 
@@ -142,7 +148,8 @@ inline __m256 QLoad8(const uint8_t* row, int64_t k, int64_t c, __m256 scale, __m
 // 2-3 sums per row are too few to keep the multiply-add units busy (each waits on its own previous
 // add: the tile ran at the latency of that chain, one k per 4 cycles), and the panels' sums are
 // independent. Each output still sums over k in order, so the result is the same to the bit.
-template <int R, int W, QFormat F, bool Zero, int NP = 1>
+// PerColumn (one group): the weights stay unscaled and the sums are scaled as they are stored.
+template <int R, int W, QFormat F, bool Zero, bool PerColumn, int NP = 1>
 inline void QTile(const float* x, int64_t ldx, const QPanelView* q, float* y, int64_t ldy, int64_t K) {
   const int64_t group = q[0].group, G = K / group;
   // each panel's stream prefetches kPrefetch floats' bytes ahead of itself; past its own panel's end
@@ -167,7 +174,7 @@ inline void QTile(const float* x, int64_t ldx, const QPanelView* q, float* y, in
       for (int p = 0; p < NP; ++p) {
         const uint8_t* row = q[p].values + at;
         __builtin_prefetch(row + ahead + skip, 0, 3);
-        for (int v = 0; v < V; ++v) bv[p * V + v] = QLoad<F, Zero>(row, k, v, sv[p * V + v], zv[p * V + v]);
+        for (int v = 0; v < V; ++v) bv[p * V + v] = QLoad<F, Zero, !PerColumn>(row, k, v, sv[p * V + v], zv[p * V + v]);
       }
       for (int r = 0; r < R; ++r) {
         const __m512 a = _mm512_set1_ps(x[r * ldx + k]);
@@ -175,8 +182,14 @@ inline void QTile(const float* x, int64_t ldx, const QPanelView* q, float* y, in
       }
     }
   }
-  for (int r = 0; r < R; ++r)
-    for (int v = 0; v < NP * V; ++v) _mm512_storeu_ps(y + r * ldy + 16 * v, acc[r][v]);
+  for (int p = 0; p < NP; ++p)
+    for (int v = 0; v < V; ++v) {
+      const __m512 sv = PerColumn ? _mm512_loadu_ps(q[p].scales + 16 * v) : _mm512_setzero_ps();
+      for (int r = 0; r < R; ++r) {
+        const __m512 a = acc[r][p * V + v];
+        _mm512_storeu_ps(y + r * ldy + p * W + 16 * v, PerColumn ? _mm512_mul_ps(a, sv) : a);
+      }
+    }
 #elif defined(PAGED_JAX_AVX2)
   // one row: the whole panel width at once; up to 6 rows: 16-column strips (R x 2 accumulators, as
   // Tile); 7 or 8 rows: 8-column strips, so that the accumulators stay within the 16 registers
@@ -201,7 +214,7 @@ inline void QTile(const float* x, int64_t ldx, const QPanelView* q, float* y, in
           const uint8_t* row = q[p].values + at;
           if (c0 == 0) __builtin_prefetch(row + ahead + skip, 0, 3);
           for (int v = 0; v < V; ++v)
-            bv[p * V + v] = QLoad8<F, Zero>(row, k, c0 + 8 * v, sv[p * V + v], zv[p * V + v]);
+            bv[p * V + v] = QLoad8<F, Zero, !PerColumn>(row, k, c0 + 8 * v, sv[p * V + v], zv[p * V + v]);
         }
         for (int r = 0; r < R; ++r) {
           const __m256 a = _mm256_broadcast_ss(x + r * ldx + k);
@@ -209,9 +222,14 @@ inline void QTile(const float* x, int64_t ldx, const QPanelView* q, float* y, in
         }
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int p = 0; p < NP; ++p)
-        for (int v = 0; v < V; ++v) _mm256_storeu_ps(y + r * ldy + p * W + c0 + 8 * v, acc[r][p * V + v]);
+    for (int p = 0; p < NP; ++p)
+      for (int v = 0; v < V; ++v) {
+        const __m256 sv = PerColumn ? _mm256_loadu_ps(q[p].scales + c0 + 8 * v) : _mm256_setzero_ps();
+        for (int r = 0; r < R; ++r) {
+          const __m256 a = acc[r][p * V + v];
+          _mm256_storeu_ps(y + r * ldy + p * W + c0 + 8 * v, PerColumn ? _mm256_mul_ps(a, sv) : a);
+        }
+      }
   }
 #else
   for (int p = 0; p < NP; ++p) {  // the compiler's own vectors: one panel at a time
@@ -221,7 +239,10 @@ inline void QTile(const float* x, int64_t ldx, const QPanelView* q, float* y, in
       const float* sc = q[p].scales + (k / group) * W;
       const float* zc = Zero ? q[p].zeros + (k / group) * W : nullptr;
       float b[W];
-      for (int c = 0; c < W; ++c) b[c] = (Zero ? QValue<F>(row, k, c) - zc[c] : QValue<F>(row, k, c)) * sc[c];
+      for (int c = 0; c < W; ++c) {
+        const float v = Zero ? QValue<F>(row, k, c) - zc[c] : QValue<F>(row, k, c);
+        b[c] = PerColumn ? v : v * sc[c];
+      }
       for (int r = 0; r < R; ++r) {
         const float a = x[r * ldx + k];
 #pragma omp simd
@@ -229,14 +250,14 @@ inline void QTile(const float* x, int64_t ldx, const QPanelView* q, float* y, in
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int c = 0; c < W; ++c) y[r * ldy + p * W + c] = acc[r][c];
+      for (int c = 0; c < W; ++c) y[r * ldy + p * W + c] = PerColumn ? acc[r][c] * q[p].scales[c] : acc[r][c];
   }
 #endif
 }
 
-// Weight rows k0 .. k1 of a panel as float32, into out[(k1 - k0) x W]; reads the values once,
-// prefetching ahead in the panel stream.
-template <int W, QFormat F, bool Zero>
+// Weight rows k0 .. k1 of a panel as float32 ((q - zero) * scale, or q - zero for PerColumn), into
+// out[(k1 - k0) x W]; reads the values once, prefetching ahead in the panel stream.
+template <int W, QFormat F, bool Zero, bool PerColumn>
 void Dequantize(const QPanelView& q, int64_t k0, int64_t k1, float* out) {
   for (int64_t g = k0 / q.group, k = k0; k < k1; ++g) {
     const float* sc = q.scales + g * W;
@@ -247,52 +268,55 @@ void Dequantize(const QPanelView& q, int64_t k0, int64_t k1, float* out) {
       float* o = out + (k - k0) * W;
 #if defined(PAGED_JAX_AVX2)  // the register tiles' conversion: the compiler's own of QValue is slower here
       for (int c = 0; c < W; c += 8)
-        _mm256_storeu_ps(o + c, QLoad8<F, Zero>(row, k, c, _mm256_loadu_ps(sc + c),
+        _mm256_storeu_ps(o + c, QLoad8<F, Zero, !PerColumn>(row, k, c, _mm256_loadu_ps(sc + c),
                                                 Zero ? _mm256_loadu_ps(zc + c) : _mm256_setzero_ps()));
 #else
 #pragma omp simd
-      for (int c = 0; c < W; ++c) o[c] = (Zero ? QValue<F>(row, k, c) - zc[c] : QValue<F>(row, k, c)) * sc[c];
+      for (int c = 0; c < W; ++c) {
+        const float v = Zero ? QValue<F>(row, k, c) - zc[c] : QValue<F>(row, k, c);
+        o[c] = PerColumn ? v : v * sc[c];
+      }
 #endif
     }
   }
 }
 
 // Register tiles of R rows over np panels at once (QTile's NP): 2 with AVX-512 where both panels'
-// accumulators, weights, scales (and zero points) fit its 32 registers. AVX2 keeps one: 16
-// registers (measured at one row, 32 columns: two panels spilled and ran 0.6x as fast).
-template <int W, QFormat F, bool Zero>
+// accumulators, weights, scales (not PerColumn's) and zero points fit its 32 registers. AVX2 keeps
+// one: 16 registers (measured at one row, 32 columns: two panels spilled and ran 0.6x as fast).
+template <int W, QFormat F, bool Zero, bool PerColumn>
 constexpr int TilePanels(int R) {
 #if defined(PAGED_JAX_AVX512)
-  return 2 * (W / 16) * (R + 2 + Zero) + 1 <= 32 ? 2 : 1;
+  return 2 * (W / 16) * (R + 2 - PerColumn + Zero) + 1 <= 32 ? 2 : 1;
 #else
   return 1;
 #endif
 }
 
-template <int R, int W, QFormat F, bool Zero>
+template <int R, int W, QFormat F, bool Zero, bool PerColumn>
 inline void QTiles(const float* x, int64_t ldx, const QPanelView* q, int np, float* y, int64_t ldy, int64_t K) {
-  constexpr int NP = TilePanels<W, F, Zero>(R);
+  constexpr int NP = TilePanels<W, F, Zero, PerColumn>(R);
   int p = 0;
-  for (; p + NP <= np; p += NP) QTile<R, W, F, Zero, NP>(x, ldx, q + p, y + p * W, ldy, K);
-  for (; p < np; ++p) QTile<R, W, F, Zero>(x, ldx, q + p, y + p * W, ldy, K);
+  for (; p + NP <= np; p += NP) QTile<R, W, F, Zero, PerColumn, NP>(x, ldx, q + p, y + p * W, ldy, K);
+  for (; p < np; ++p) QTile<R, W, F, Zero, PerColumn>(x, ldx, q + p, y + p * W, ldy, K);
 }
 
 // Rows m0 .. m1 of y = x @ np adjacent panels (q[0 .. np - 1], outputs adjacent from y).
-template <int W, QFormat F, bool Zero>
+template <int W, QFormat F, bool Zero, bool PerColumn>
 void QPanels(const float* x, int64_t m0, int64_t m1, int64_t K, const QPanelView* q, int np, float* y, int64_t N) {
   const float* xs = x + m0 * K;  // register tiles
   float* ys = y + m0 * N;
   if (m1 - m0 <= RegisterRows<F>()) {  // all the rows in one tile: each weight converted once
     static_assert(RegisterRows<F>() <= 8, "register tiles of up to 8 rows");
     switch (m1 - m0) {
-      case 8: QTiles<8, W, F, Zero>(xs, K, q, np, ys, N, K); break;
-      case 7: QTiles<7, W, F, Zero>(xs, K, q, np, ys, N, K); break;
-      case 6: QTiles<6, W, F, Zero>(xs, K, q, np, ys, N, K); break;
-      case 5: QTiles<5, W, F, Zero>(xs, K, q, np, ys, N, K); break;
-      case 4: QTiles<4, W, F, Zero>(xs, K, q, np, ys, N, K); break;
-      case 3: QTiles<3, W, F, Zero>(xs, K, q, np, ys, N, K); break;
-      case 2: QTiles<2, W, F, Zero>(xs, K, q, np, ys, N, K); break;
-      default: QTiles<1, W, F, Zero>(xs, K, q, np, ys, N, K); break;
+      case 8: QTiles<8, W, F, Zero, PerColumn>(xs, K, q, np, ys, N, K); break;
+      case 7: QTiles<7, W, F, Zero, PerColumn>(xs, K, q, np, ys, N, K); break;
+      case 6: QTiles<6, W, F, Zero, PerColumn>(xs, K, q, np, ys, N, K); break;
+      case 5: QTiles<5, W, F, Zero, PerColumn>(xs, K, q, np, ys, N, K); break;
+      case 4: QTiles<4, W, F, Zero, PerColumn>(xs, K, q, np, ys, N, K); break;
+      case 3: QTiles<3, W, F, Zero, PerColumn>(xs, K, q, np, ys, N, K); break;
+      case 2: QTiles<2, W, F, Zero, PerColumn>(xs, K, q, np, ys, N, K); break;
+      default: QTiles<1, W, F, Zero, PerColumn>(xs, K, q, np, ys, N, K); break;
     }
     return;
   }
@@ -300,12 +324,20 @@ void QPanels(const float* x, int64_t m0, int64_t m1, int64_t K, const QPanelView
   for (int p = 0; p < np; ++p)
     for (int64_t k0 = 0; k0 < K; k0 += kSlab) {
       const int64_t k1 = std::min(K, k0 + kSlab);
-      Dequantize<W, F, Zero>(q[p], k0, k1, slab);
+      Dequantize<W, F, Zero, PerColumn>(q[p], k0, k1, slab);
       if (k0 == 0)
         Tiles<W, false>(x + k0, K, m0, m1, slab, y + p * W, N, k1 - k0, false);
       else
         Tiles<W, true>(x + k0, K, m0, m1, slab, y + p * W, N, k1 - k0, false);
     }
+  if (PerColumn)  // the sums scaled, as the register tiles store theirs
+    for (int64_t m = m0; m < m1; ++m)
+      for (int p = 0; p < np; ++p) {
+        float* o = y + m * N + p * W;
+        const float* sc = q[p].scales;
+#pragma omp simd
+        for (int c = 0; c < W; ++c) o[c] *= sc[c];
+      }
 }
 
 template <QFormat F>
@@ -340,7 +372,9 @@ ffi::Error QImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w
       q[i] = {ws + (p0 + i) * rows_stored * W, ss + (p0 + i) * G * W, zs ? zs + (p0 + i) * G * W : nullptr, K / G};
     float* out = ys + p0 * W;
 #define PAGED_JAX_QPANELS(w)                                                                   \
-  (zs ? QPanels<w, F, true>(xs, m0, m1, K, q, np, out, N) : QPanels<w, F, false>(xs, m0, m1, K, q, np, out, N))
+  (zs ? QPanels<w, F, true, false>(xs, m0, m1, K, q, np, out, N)                               \
+   : G == 1 ? QPanels<w, F, false, true>(xs, m0, m1, K, q, np, out, N)                         \
+   : QPanels<w, F, false, false>(xs, m0, m1, K, q, np, out, N))
     switch (W) {
       case 48: PAGED_JAX_QPANELS(48); break;
       case 32: PAGED_JAX_QPANELS(32); break;
