@@ -33,11 +33,12 @@ namespace {
 //   rather than once per 8 rows (measured on this project's CPU: about even at 16-32 rows,
 //   1.1-1.4x faster at 128; register tiles 1.4-2x faster at 6-8 rows).
 // Both round (q - zero) * scale to float32 once and add it into the sums over k in order, so the
-// two agree to the bit; except that a weight with one scale per column and no zero points (int8 on load,
-// per-channel W8A16 or fp8) has its sums of x * (q - zero) scaled once at the end, in both ways
-// alike: one multiply per weight fewer in the register tiles, whose conversions bound them at one
-// row (measured: an int8 [512, 2816] call at one row 1.15x as fast, AVX-512 and AVX2 alike), and
-// one pass over the outputs for the slabs.
+// two agree to the bit. A weight with one scale per column and no zero points (int8 on load,
+// per-channel W8A16 or fp8: PerColumn) sums x * q unscaled instead and scales the sums once at the
+// end, both ways alike: one multiply per weight fewer in the register tiles, whose conversions bound
+// them at one row (an int8 [512, 2816] call at one row 1.15x as fast with AVX-512, 1.3x with AVX2), and
+// one pass over the outputs for the slabs. (Grouped weights keep scaling each weight: their sums
+// scaled per group cost the slabs a pass per group: measured 1.1x slower at 48 rows, groups of 32.)
 // PAGED_JAX_NATIVE_FLAGS=-DPAGED_JAX_REGISTER_ROWS=... moves the switch.
 
 constexpr int64_t kSlab = 128;  // weight rows per float32 slab: 128 x 48 floats = 24 KiB
